@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Apply patches/ to a pytorch checkout with git am, ready to push as a PR branch.
+
+The checkout's torch/distributed/fsdp/_fully_shard/*.py must be the pinned base
+(checked by sha256); a HEAD other than the base commit is reported, not refused,
+so the series can also be tried on a later main.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from _patchlib import PATCHES, am_series, git, log, setup_logging, vendor
+
+
+def apply(checkout: Path) -> None:
+    base = vendor.read_base(PATCHES)
+    if git(checkout, "status", "--porcelain", "--untracked-files=no").stdout.strip():
+        raise vendor.VendorError(f"{checkout} has uncommitted changes; commit or stash them")
+    changed = [
+        rel
+        for rel, digest in base.files.items()
+        if not (checkout / rel).is_file() or vendor.sha256((checkout / rel).read_bytes()) != digest
+    ]
+    if changed:
+        raise vendor.VendorError(
+            f"{checkout} is not at the base (torch {base.torch_version}): {changed} differ. "
+            f"Fix: git checkout {base.commit}"
+        )
+    head = git(checkout, "rev-parse", "HEAD").stdout.strip()
+    if head != base.commit:
+        log.warning("note: HEAD is %s, not the base commit %s", head[:12], base.commit[:12])
+    series = vendor.read_series(PATCHES)
+    am_series(checkout, series, reproducible=False)
+    log.info("applied %d patch(es) to %s", len(series), checkout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("checkout", type=Path, help="path to a pytorch git checkout")
+    args = parser.parse_args()
+    setup_logging()
+    try:
+        apply(args.checkout)
+    except vendor.VendorError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

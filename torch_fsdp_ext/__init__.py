@@ -1,0 +1,42 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with the ``patches/`` series applied.
+
+``torch_fsdp_ext._fully_shard`` is generated from the installed torch's own
+``torch/distributed/fsdp/_fully_shard`` plus the series; see ``_vendor``. A
+module sharded here is also an instance of ``torch.distributed.fsdp.FSDPModule``.
+"""
+
+from ._vendor import ensure_vendored as _ensure_vendored
+
+_ensure_vendored()
+
+from ._fully_shard import (  # noqa: E402
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+from ._fully_shard._fsdp_common import (  # noqa: E402
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+    ShardPlacementResult,
+)
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPMeshInfo",
+    "FSDPModule",
+    "fully_shard",
+    "HSDPMeshInfo",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "ShardPlacementResult",
+    "UnshardHandle",
+]

@@ -1,0 +1,367 @@
+"""Generate ``torch_fsdp_ext._fully_shard`` from the installed torch plus ``patches/``.
+
+The vendored copy is *derived*, never edited: it is the installed torch's own
+``torch/distributed/fsdp/_fully_shard/*.py`` at the pinned base (checked by
+sha256), with the ``git format-patch`` series applied by ``git apply`` and a
+small, fixed set of rewrites (:data:`REWRITES`). A stamp file records what the
+copy was generated from, so a copy generated from another series is detected.
+
+This module uses only the standard library: ``setup.py`` loads it by path in
+build environments that may not have torch installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+PACKAGE = "torch_fsdp_ext"
+UPSTREAM_MODULE = "torch.distributed.fsdp._fully_shard"
+UPSTREAM_DIR = "torch/distributed/fsdp/_fully_shard"
+UPSTREAM_TEST_DIR = "test/distributed/_composable/fsdp"
+VENDORED_NAME = "_fully_shard"
+# The vendored copy registers its custom ops (upstream's ``fsdp::*``) here.
+OPS_NAMESPACE = "fsdp_ext"
+STAMP_NAME = "VENDORED.json"
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+VENDORED_DIR = PACKAGE_DIR / VENDORED_NAME
+
+
+class VendorError(RuntimeError):
+    """The vendored copy cannot be generated or is out of date; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A literal replacement in one generated file: ``count`` times exactly, or at
+    least once if ``count`` is ``None``."""
+
+    file: str
+    old: str
+    new: str
+    count: int | None
+    why: str
+
+
+# Rewrites turn upstream's module into a relocated copy. Each has an exact count
+# so that an upstream change that moves the target fails generation loudly
+# instead of silently producing a different package.
+REWRITES: tuple[Rewrite, ...] = (
+    Rewrite(
+        "_fsdp_collectives.py",
+        f"from {UPSTREAM_MODULE}.",
+        f"from {PACKAGE}.{VENDORED_NAME}.",
+        1,
+        "absolute self-imports must resolve to the vendored copy",
+    ),
+    Rewrite(
+        "_fsdp_param.py",
+        f"from {UPSTREAM_MODULE}.",
+        f"from {PACKAGE}.{VENDORED_NAME}.",
+        1,
+        "absolute self-imports must resolve to the vendored copy",
+    ),
+    *(
+        Rewrite(
+            file,
+            'torch.library.Library("fsdp", "FRAGMENT")',
+            f'torch.library.Library("{OPS_NAMESPACE}", "FRAGMENT")',
+            1,
+            "upstream already defines the fsdp:: ops; a second definition is an error",
+        )
+        for file in ("_fsdp_collectives.py", "_fsdp_param.py")
+    ),
+    *(
+        Rewrite(
+            file,
+            "torch.ops.fsdp.",
+            f"torch.ops.{OPS_NAMESPACE}.",
+            None,
+            "calls must reach the vendored copy's own ops",
+        )
+        for file in ("_fsdp_collectives.py", "_fsdp_param.py")
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        "\nclass FSDPModule:\n",
+        "\nclass FSDPModule(_UpstreamFSDPModule):\n",
+        1,
+        "torch code checks isinstance(m, torch.distributed.fsdp.FSDPModule)",
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        "    _orig_cls_mro_index: int = 2\n",
+        "    _orig_cls_mro_index: int = 3\n",
+        1,
+        "the upstream base class adds one entry to the MRO: "
+        "[FSDP<Orig>, FSDPModule, upstream FSDPModule, Orig, ...]",
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        "from torch.distributed._composable import contract\n",
+        "from torch.distributed._composable import contract\n"
+        "from torch.distributed.fsdp import FSDPModule as _UpstreamFSDPModule\n",
+        1,
+        "base class for the isinstance rewrite above",
+    ),
+)
+
+# Project tests that travel upstream import the package; in the series they
+# import torch. Longest prefix first.
+TEST_REWRITES: tuple[tuple[str, str], ...] = (
+    (f"{PACKAGE}.{VENDORED_NAME}", UPSTREAM_MODULE),
+    (f"from {PACKAGE} import", "from torch.distributed.fsdp import"),
+    (f"import {PACKAGE}\n", "import torch.distributed.fsdp\n"),
+)
+
+
+@dataclass(frozen=True)
+class Base:
+    """The pinned upstream base, read from ``patches/base.toml``."""
+
+    torch_version: str
+    commit: str
+    files: dict[str, str]  # upstream path -> sha256
+
+
+def patches_dir() -> Path:
+    """The series in a source checkout, or the copy shipped inside a wheel."""
+    checkout = PACKAGE_DIR.parent / "patches"
+    if (checkout / "series").is_file():
+        return checkout
+    return PACKAGE_DIR / "_patches"
+
+
+def read_base(pdir: Path) -> Base:
+    with open(pdir / "base.toml", "rb") as f:
+        data = tomllib.load(f)
+    return Base(data["torch"]["version"], data["torch"]["commit"], dict(data["files"]))
+
+
+def read_series(pdir: Path) -> list[Path]:
+    names = []
+    for line in (pdir / "series").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    missing = [n for n in names if not (pdir / n).is_file()]
+    if missing:
+        raise VendorError(f"{pdir / 'series'} lists missing patches: {missing}")
+    return [pdir / n for n in names]
+
+
+def torch_root() -> Path:
+    """The installed torch package directory, found without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise VendorError(
+            "torch is not installed. Fix: pip install torch==<base version in patches/base.toml>"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def installed_torch_version(root: Path) -> str:
+    match = re.search(r"^__version__ = '([^']+)'", (root / "version.py").read_text(), re.M)
+    if match is None:
+        raise VendorError(f"cannot read the torch version from {root / 'version.py'}")
+    return match.group(1)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_upstream(root: Path, base: Base) -> None:
+    """Raise :class:`VendorError` unless ``root`` holds exactly the base files."""
+    version = installed_torch_version(root)
+    if version.split("+", 1)[0] != base.torch_version:
+        raise VendorError(
+            f"torch_fsdp_ext is built against torch {base.torch_version}, but torch "
+            f"{version} is installed at {root}. "
+            f"Fix: pip install torch=={base.torch_version}"
+        )
+    site = root.parent
+    upstream = site / UPSTREAM_DIR
+    on_disk = {f"{UPSTREAM_DIR}/{p.name}" for p in upstream.glob("*.py")}
+    unexpected = sorted(on_disk - base.files.keys())
+    changed = sorted(
+        path
+        for path, digest in base.files.items()
+        if not (site / path).is_file() or sha256((site / path).read_bytes()) != digest
+    )
+    if changed or unexpected:
+        raise VendorError(
+            f"the installed torch {version} at {root} does not match the pinned base "
+            f"(torch {base.torch_version}, {base.commit[:12]}): "
+            f"modified or missing {changed}, unexpected {unexpected}. "
+            f"Fix: pip install --force-reinstall torch=={base.torch_version}"
+        )
+
+
+def series_digest(pdir: Path) -> str:
+    """Digest of everything that determines the generated copy besides torch itself."""
+    h = hashlib.sha256()
+    for path in [pdir / "base.toml", pdir / "series", *read_series(pdir)]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(repr(REWRITES).encode())
+    return h.hexdigest()
+
+
+def apply_series(root: Path, pdir: Path, workdir: Path) -> None:
+    """Copy the pristine base files to ``workdir`` at upstream paths and ``git apply`` the series."""
+    dest = workdir / UPSTREAM_DIR
+    dest.mkdir(parents=True)
+    for path in read_base(pdir).files:
+        shutil.copyfile(root.parent / path, workdir / path)
+    for patch in read_series(pdir):
+        proc = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", str(patch)],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise VendorError(
+                f"{patch.name} does not apply to the pristine base files:\n"
+                f"{proc.stderr.strip()}\n"
+                "Fix: rebuild the series with tools/workspace.py (see CONTRIBUTING.md)"
+            )
+
+
+def rewrite(name: str, text: str) -> str:
+    for rw in REWRITES:
+        if rw.file != name:
+            continue
+        found = text.count(rw.old)
+        if found == 0 or (rw.count is not None and found != rw.count):
+            raise VendorError(
+                f"rewrite of {name} expected {rw.count or 'some'} occurrence(s) of {rw.old!r}, "
+                f"found {found}; the patch series or the base changed under it "
+                f"({rw.why}). Fix: update REWRITES in {__file__}"
+            )
+        text = text.replace(rw.old, rw.new)
+    return text
+
+
+def rewrite_test(text: str) -> str:
+    """The upstream-path form of a project test file."""
+    for old, new in TEST_REWRITES:
+        text = text.replace(old, new)
+    return text
+
+
+def render(root: Path, pdir: Path) -> dict[str, bytes]:
+    """Return the generated package files, by file name, including the stamp."""
+    base = read_base(pdir)
+    check_upstream(root, base)
+    with tempfile.TemporaryDirectory(prefix="torch_fsdp_ext-") as tmp:
+        apply_series(root, pdir, Path(tmp))
+        files = {
+            p.name: rewrite(p.name, p.read_text()).encode()
+            for p in sorted((Path(tmp) / UPSTREAM_DIR).glob("*.py"))
+        }
+    stamp = {
+        "torch_version": base.torch_version,
+        "commit": base.commit,
+        "series_digest": series_digest(pdir),
+        "files": {name: sha256(data) for name, data in files.items()},
+    }
+    files[STAMP_NAME] = (json.dumps(stamp, indent=2, sort_keys=True) + "\n").encode()
+    return files
+
+
+def read_stamp(dest: Path) -> dict | None:
+    try:
+        return json.loads((dest / STAMP_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _locked(dest: Path) -> Iterator[None]:
+    # Ranks started together by torchrun import concurrently; one generates,
+    # the others wait and then see the finished copy.
+    with open(dest.parent / f".{dest.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write(dest: Path, files: dict[str, bytes]) -> None:
+    """Replace ``dest`` with ``files``. The new tree is built beside it and renamed in."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    for name, data in files.items():
+        (staging / name).write_bytes(data)
+    old = None
+    if dest.exists():
+        old = dest.with_name(f"{staging.name}-old")
+        dest.rename(old)
+    staging.rename(dest)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def vendor(dest: Path = VENDORED_DIR) -> bool:
+    """Regenerate ``dest`` if it differs from base + series. Returns whether it wrote."""
+    root, pdir = torch_root(), patches_dir()
+    with _locked(dest):
+        files = render(root, pdir)
+        if dest.is_dir() and _read_tree(dest) == files:
+            return False
+        write(dest, files)
+        return True
+
+
+def _read_tree(dest: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in dest.iterdir() if p.is_file()}
+
+
+def diff(dest: Path = VENDORED_DIR) -> list[str]:
+    """Names of generated files that differ from base + series + rewrites."""
+    want = render(torch_root(), patches_dir())
+    have = _read_tree(dest) if dest.is_dir() else {}
+    return sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
+
+
+def ensure_vendored() -> None:
+    """Import-time check: generate a missing copy, refuse a stale one.
+
+    A missing copy is generated (editable installs and builds without torch
+    defer generation to first import). A copy generated from another series or
+    base is never silently replaced: the error names the command to run.
+    """
+    pdir = patches_dir()
+    root = torch_root()
+    check_upstream(root, read_base(pdir))
+    stamp = read_stamp(VENDORED_DIR)
+    if stamp is None:
+        try:
+            vendor()
+        except OSError as e:
+            raise VendorError(
+                f"cannot generate {VENDORED_DIR} ({e}). Fix: reinstall torch_fsdp_ext "
+                "with torch installed in the build environment: "
+                "pip install --no-build-isolation ."
+            ) from e
+        return
+    if stamp.get("series_digest") != series_digest(pdir):
+        raise VendorError(
+            f"the generated {VENDORED_DIR} is stale: it was generated from a different "
+            f"patch series than {pdir}. Fix: python tools/vendor.py "
+            "(in a source checkout) or reinstall torch_fsdp_ext"
+        )
