@@ -10,6 +10,7 @@ check and regenerate itself.
 import importlib.util
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -23,6 +24,8 @@ def _load_vendor():
         "_torch_fsdp_ext_vendor", HERE / "torch_fsdp_ext" / "_vendor.py"
     )
     module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

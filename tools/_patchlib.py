@@ -43,6 +43,9 @@ _GIT_ENV = {
     "GIT_COMMITTER_EMAIL": "torch-fsdp-ext@users.noreply",
     "GIT_AUTHOR_DATE": "2026-01-01T00:00:00+0000",
     "GIT_COMMITTER_DATE": "2026-01-01T00:00:00+0000",
+    # A user's diff.noprefix or format.* settings must not change the export
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_CONFIG_NOSYSTEM": "1",
 }
 BASE_TAG = "base"
 
@@ -102,8 +105,11 @@ def am_series(path: Path, patches: list[Path], *, reproducible: bool = True) -> 
         proc = git(path, *args, check=False, reproducible=reproducible)
         if proc.returncode != 0:
             git(path, "am", "--abort", check=False, reproducible=reproducible)
+            output = (proc.stdout + proc.stderr).strip()
+            if "patch does not apply" not in output and "Patch failed" not in output:
+                raise vendor.VendorError(f"git am {patch.name} failed:\n{output}")
             raise vendor.VendorError(
-                f"{patch.name} does not apply:\n{(proc.stdout + proc.stderr).strip()}\n"
+                f"{patch.name} does not apply:\n{output}\n"
                 "Fix: rebuild the series with tools/workspace.py (see CONTRIBUTING.md)"
             )
 

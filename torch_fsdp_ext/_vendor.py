@@ -21,11 +21,10 @@ import re
 import shutil
 import subprocess
 import tempfile
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 PACKAGE = "torch_fsdp_ext"
 UPSTREAM_MODULE = "torch.distributed.fsdp._fully_shard"
@@ -307,6 +306,10 @@ def write(dest: Path, files: dict[str, bytes]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     for name, data in files.items():
         (staging / name).write_bytes(data)
+    # mkdtemp creates 0700; the copy must be readable like the rest of the package
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     old = None
     if dest.exists():
         old = dest.with_name(f"{staging.name}-old")

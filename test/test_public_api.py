@@ -1,0 +1,61 @@
+"""The public surface of ``torch_fsdp_ext``: upstream's FSDP2 names, the private
+per-parameter mesh types, and ``isinstance`` compatibility with torch's ``FSDPModule``."""
+
+import torch.distributed.fsdp as upstream_fsdp
+import torch.nn as nn
+from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
+from torch.testing._internal.common_utils import run_tests
+
+import torch_fsdp_ext
+from torch_fsdp_ext._fully_shard import _fsdp_common
+
+
+class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_exports_every_upstream_fsdp2_name(self):
+        """Tests that every FSDP2 name of ``torch.distributed.fsdp`` is exported,
+        plus ``ShardPlacementResult``, ``FSDPMeshInfo`` and ``HSDPMeshInfo``."""
+        fsdp2_names = {
+            name
+            for name in upstream_fsdp.__all__
+            if getattr(upstream_fsdp, name).__module__ == "torch.distributed.fsdp"
+            and name in upstream_fsdp._fully_shard.__all__
+        }
+        self.assertIn("fully_shard", fsdp2_names)
+        extra = {"ShardPlacementResult", "FSDPMeshInfo", "HSDPMeshInfo"}
+        self.assertEqual(set(torch_fsdp_ext.__all__), fsdp2_names | extra)
+        for name in torch_fsdp_ext.__all__:
+            self.assertTrue(hasattr(torch_fsdp_ext, name), name)
+        self.assertIs(torch_fsdp_ext.ShardPlacementResult, _fsdp_common.ShardPlacementResult)
+
+    def test_sharded_module_is_upstream_fsdp_module(self):
+        """Tests that a module sharded by ``torch_fsdp_ext.fully_shard`` is an
+        instance of torch's ``FSDPModule`` (torch code checks this), keeps its
+        original class, and still indexes into containers as the original class."""
+        model = nn.Sequential(MLP(8), MLP(8))
+        for mlp in model:
+            torch_fsdp_ext.fully_shard(mlp)
+        torch_fsdp_ext.fully_shard(model)
+        for module in (model, model[0]):
+            self.assertIsInstance(module, upstream_fsdp.FSDPModule)
+            self.assertIsInstance(module, torch_fsdp_ext.FSDPModule)
+        self.assertIsInstance(model[0], MLP)
+        # FSDPModule.__new__ constructs the original class, skipping both FSDPModule bases
+        self.assertIs(type(model[0]).__new__(type(model[0]), 8).__class__, MLP)
+        self.assertIsNot(torch_fsdp_ext.FSDPModule, upstream_fsdp.FSDPModule)
+
+    def test_upstream_fully_shard_is_untouched(self):
+        """Tests that importing ``torch_fsdp_ext`` leaves torch's own ``fully_shard``
+        (and its ``fsdp::`` ops) as they were: the two coexist in one process."""
+        model = MLP(8)
+        upstream_fsdp.fully_shard(model)
+        self.assertNotIsInstance(model, torch_fsdp_ext.FSDPModule)
+        with self.assertRaisesRegex(TypeError, "group_collectives"):
+            upstream_fsdp.fully_shard(MLP(8), group_collectives=False)
+
+
+if __name__ == "__main__":
+    run_tests()

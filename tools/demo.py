@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Train a small transformer with FSDP2 on CPU ranks (gloo) and print a per-step loss table.
+
+Each column is one way of sharding the same model from the same seed:
+
+  upstream    torch.distributed.fsdp.fully_shard
+  ext         torch_fsdp_ext.fully_shard (group_collectives=True)
+
+The last column says whether every loss in the row is bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import tempfile
+from queue import Empty
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as upstream_fsdp
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger("torch_fsdp_ext.demo")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, -1).unbind(2)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.w2(F.gelu(self.w1(self.mlp_norm(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None:
+    import torch_fsdp_ext
+
+    store = dist.FileStore(store_path, args.world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size, store=store)
+    torch.manual_seed(42)
+    base = Transformer(args.vocab, args.dim, args.heads, args.layers)
+    variants = {
+        "upstream": _shard(copy.deepcopy(base), upstream_fsdp.fully_shard),
+        "ext": _shard(copy.deepcopy(base), torch_fsdp_ext.fully_shard, group_collectives=True),
+    }
+    optims = {
+        name: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+        for name, m in variants.items()
+    }
+    gen = torch.Generator().manual_seed(42 + rank)
+    for step in range(args.steps):
+        tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen)
+        row = {}
+        for name, model in variants.items():
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optims[name].step()
+            optims[name].zero_grad()
+            # The global loss: mean over ranks, identical on every rank
+            dist.all_reduce(loss.detach(), op=dist.ReduceOp.SUM)
+            row[name] = loss.item() / args.world_size
+        if rank == 0:
+            queue.put((step, row))
+    dist.destroy_process_group()
+
+
+def _next_row(queue, procs) -> tuple[int, dict[str, float]]:
+    """The next row from rank 0, failing fast if any rank died."""
+    while True:
+        try:
+            return queue.get(timeout=2)
+        except Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.terminate()
+                raise SystemExit(f"ranks {dead} failed; see their tracebacks above") from None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log.info("training on %d CPU ranks (gloo) for %d steps", args.world_size, args.steps)
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_worker, args=(r, args, os.path.join(tmp, "store"), queue))
+            for r in range(args.world_size)
+        ]
+        for p in procs:
+            p.start()
+        names = None
+        all_equal = True
+        for _ in range(args.steps):
+            step, row = _next_row(queue, procs)
+            if names is None:
+                names = list(row)
+                print(f"{'step':>4}  " + "  ".join(f"{n:>20}" for n in names) + "  bitwise")
+            equal = len({row[n] for n in names}) == 1
+            all_equal &= equal
+            print(
+                f"{step:>4}  "
+                + "  ".join(f"{row[n]:>20.15f}" for n in names)
+                + f"  {'yes' if equal else 'NO'}"
+            )
+        for p in procs:
+            p.join()
+        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise SystemExit(f"ranks {failed} failed")
+    print("all losses bitwise equal" if all_equal else "LOSSES DIFFER")
+    raise SystemExit(0 if all_equal else 1)
+
+
+if __name__ == "__main__":
+    main()
