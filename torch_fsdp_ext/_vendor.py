@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
