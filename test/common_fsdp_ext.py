@@ -8,16 +8,26 @@ CUDA machine with too few GPUs skips cleanly.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as upstream_fsdp
+import torch.distributed.fsdp._fully_shard._fsdp_common as upstream_common
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcessTestCase
 from torch.testing._internal.common_fsdp import run_subtests
 from torch.testing._internal.common_utils import TestCase
+
+import torch_fsdp_ext
 
 DEVICE_TYPE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "nccl" if DEVICE_TYPE == "cuda" else "gloo"
@@ -149,3 +159,151 @@ def train_in_lockstep(
             o.zero_grad(set_to_none=step % 2 == 0)
         assert_models_bitwise_equal(test, model, ref_model, f"step {step} after optim", grads=False)
     return losses
+
+
+# The two implementations under test. Mesh-info types are per implementation:
+# each ``fully_shard`` recognizes only its own ``ShardPlacementResult``.
+UPSTREAM = SimpleNamespace(
+    name="upstream",
+    fully_shard=upstream_fsdp.fully_shard,
+    MixedPrecisionPolicy=upstream_fsdp.MixedPrecisionPolicy,
+    FSDPMeshInfo=upstream_common.FSDPMeshInfo,
+    ShardPlacementResult=upstream_common.ShardPlacementResult,
+)
+EXT = SimpleNamespace(
+    name="ext",
+    fully_shard=torch_fsdp_ext.fully_shard,
+    MixedPrecisionPolicy=torch_fsdp_ext.MixedPrecisionPolicy,
+    FSDPMeshInfo=torch_fsdp_ext.FSDPMeshInfo,
+    ShardPlacementResult=torch_fsdp_ext.ShardPlacementResult,
+)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.gelu(self.w1(self.norm(x))))
+
+
+class Model(nn.Module):
+    """A residual MLP stack: ``fully_shard`` goes on each block, then the root."""
+
+    def __init__(self, dim: int, hidden: int, num_blocks: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(num_blocks))
+        self.out = nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+@dataclass
+class ParityConfig:
+    """One training setup, applied identically to both implementations.
+
+    ``fsdp_kwargs(impl)`` gives extra ``fully_shard`` kwargs, ``after_shard(model)``
+    runs on each sharded model (setters, hooks), and ``train_kwargs`` go to
+    :func:`train_in_lockstep`.
+    """
+
+    dim: int = 16
+    hidden: int = 32
+    mesh: DeviceMesh | None = None
+    fsdp_kwargs: Callable[[SimpleNamespace], dict[str, Any]] = lambda impl: {}
+    after_shard: Callable[[nn.Module], None] = lambda model: None
+    train_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class ParityMixin:
+    """Builds :class:`Model` twice from seed 42, shards it two ways and trains in lockstep."""
+
+    def check_parity(
+        self,
+        config: ParityConfig,
+        variant: tuple[SimpleNamespace, dict[str, Any]],
+        ref_variant: tuple[SimpleNamespace, dict[str, Any]],
+    ) -> list[float]:
+        torch.manual_seed(42)
+        base = Model(config.dim, config.hidden).to(self.device)
+        mesh = config.mesh or init_device_mesh(self.device.type, (self.world_size,))
+        models = []
+        for impl, extra_kwargs in (variant, ref_variant):
+            model = copy.deepcopy(base)
+            kwargs = {**config.fsdp_kwargs(impl), **extra_kwargs}
+            for block in model.blocks:
+                impl.fully_shard(block, mesh=mesh, **kwargs)
+            impl.fully_shard(model, mesh=mesh, **kwargs)
+            config.after_shard(model)
+            models.append(model)
+        # Same input on both models: seed 42 + rank, advanced per step
+        gen = torch.Generator(self.device.type)
+
+        def make_input(step: int) -> torch.Tensor:
+            gen.manual_seed(42 + self.rank + 1000 * step)
+            return torch.randn(4, config.dim, device=self.device, generator=gen)
+
+        return train_in_lockstep(self, models[0], models[1], make_input, **config.train_kwargs)
+
+    def base_parity_configs(self) -> dict[str, Callable[[], ParityConfig]]:
+        """The configurations of the vendored-vs-upstream parity proof (issue 2).
+
+        Factories, since meshes and process groups must be built inside the test.
+        """
+        configs = {
+            "fp32": ParityConfig,
+            "bf16_params_fp32_reduce": lambda: ParityConfig(
+                fsdp_kwargs=lambda impl: {
+                    "mp_policy": impl.MixedPrecisionPolicy(
+                        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                    )
+                }
+            ),
+            "shard_dim1_for_2d_params": lambda: ParityConfig(
+                fsdp_kwargs=lambda impl: {
+                    "shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None
+                }
+            ),
+            "per_param_mesh": self._per_param_mesh_config,
+            "grad_accumulation_no_sync": lambda: ParityConfig(
+                train_kwargs={"microbatches": 3, "no_sync_microbatches": True}
+            ),
+            # dim-0 sizes not divisible by the world size: padded shards
+            "uneven_dim0": lambda: ParityConfig(dim=15, hidden=21),
+        }
+        if self.world_size == 4:
+            configs["reshard_after_forward_2"] = lambda: ParityConfig(
+                fsdp_kwargs=lambda impl: {"reshard_after_forward": 2}
+            )
+            configs["hsdp_2x2"] = lambda: ParityConfig(
+                mesh=init_device_mesh(
+                    self.device.type, (2, 2), mesh_dim_names=("replicate", "shard")
+                )
+            )
+        return configs
+
+    def _per_param_mesh_config(self) -> ParityConfig:
+        # ``ShardPlacementResult`` puts each block's w1 on a second process group
+        other_pg = dist.new_group(list(range(self.world_size)))
+        other_mesh = DeviceMesh.from_group(other_pg, self.device.type)
+
+        def fsdp_kwargs(impl):
+            info = impl.FSDPMeshInfo(other_mesh, shard_mesh_dim=0)
+
+            def shard_placement_fn(param: nn.Parameter):
+                # w1's weight is (hidden, dim) and its bias is (hidden,)
+                if param.shape[0] == 32:
+                    return impl.ShardPlacementResult(Shard(0), info)
+                return None
+
+            return {"shard_placement_fn": shard_placement_fn}
+
+        return ParityConfig(fsdp_kwargs=fsdp_kwargs)
