@@ -40,12 +40,6 @@ class FSDPExtTestMultiProcess(MultiProcessTestCase):
     def world_size(self) -> int:
         return 2
 
-    @property
-    def device(self) -> torch.device:
-        if DEVICE_TYPE == "cuda":
-            return torch.device("cuda", self.rank)
-        return torch.device("cpu")
-
     def setUp(self) -> None:
         super().setUp()
         self._spawn_processes()
@@ -126,26 +120,33 @@ def train_in_lockstep(
     microbatches: int = 1,
     no_sync_microbatches: bool = False,
     lr: float = 1e-2,
+    before_forward: Callable[[nn.Module], None] = lambda model: None,
+    no_all_reduce_microbatches: bool = False,
 ) -> list[float]:
     """Train two models side by side and require bitwise-equal losses, sharded
     gradients after every backward and sharded parameters after every step.
 
     ``make_input(step)`` must be deterministic; with ``microbatches > 1`` the
     gradients are accumulated, with ``no_sync_microbatches`` all but the last
-    microbatch skip gradient sync (``set_requires_gradient_sync(False)``).
-    Returns the losses.
+    microbatch skip gradient sync (``set_requires_gradient_sync(False)``), with
+    ``no_all_reduce_microbatches`` they reduce-scatter but skip the HSDP
+    all-reduce (``set_requires_all_reduce(False)``). ``before_forward(model)``
+    runs before each forward. Returns the losses.
     """
     optim = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
     ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=lr, foreach=True)
     losses = []
     for step in range(num_steps):
         for micro in range(microbatches):
-            sync = not no_sync_microbatches or micro == microbatches - 1
+            sync = micro == microbatches - 1
             inp = make_input(step * microbatches + micro)
             step_losses = []
             for m in (model, ref_model):
                 if no_sync_microbatches:
                     m.set_requires_gradient_sync(sync)
+                if no_all_reduce_microbatches:
+                    m.set_requires_all_reduce(sync)
+                before_forward(m)
                 loss = m(inp).sum()
                 loss.backward()
                 step_losses.append(loss.detach())
@@ -167,6 +168,8 @@ UPSTREAM = SimpleNamespace(
     name="upstream",
     fully_shard=upstream_fsdp.fully_shard,
     MixedPrecisionPolicy=upstream_fsdp.MixedPrecisionPolicy,
+    CPUOffloadPolicy=upstream_fsdp.CPUOffloadPolicy,
+    FSDPModule=upstream_fsdp.FSDPModule,
     FSDPMeshInfo=upstream_common.FSDPMeshInfo,
     ShardPlacementResult=upstream_common.ShardPlacementResult,
 )
@@ -174,6 +177,8 @@ EXT = SimpleNamespace(
     name="ext",
     fully_shard=torch_fsdp_ext.fully_shard,
     MixedPrecisionPolicy=torch_fsdp_ext.MixedPrecisionPolicy,
+    CPUOffloadPolicy=torch_fsdp_ext.CPUOffloadPolicy,
+    FSDPModule=torch_fsdp_ext.FSDPModule,
     FSDPMeshInfo=torch_fsdp_ext.FSDPMeshInfo,
     ShardPlacementResult=torch_fsdp_ext.ShardPlacementResult,
 )
@@ -221,10 +226,22 @@ class ParityConfig:
     fsdp_kwargs: Callable[[SimpleNamespace], dict[str, Any]] = lambda impl: {}
     after_shard: Callable[[nn.Module], None] = lambda model: None
     train_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Runs a different model (e.g. with an unused parameter) if set
+    model_fn: Callable[[int, int], nn.Module] | None = None
 
 
 class ParityMixin:
-    """Builds :class:`Model` twice from seed 42, shards it two ways and trains in lockstep."""
+    """Builds :class:`Model` twice from seed 42, shards it two ways and trains in lockstep.
+
+    Works with both process models: :class:`FSDPExtTestMultiProcess` and
+    upstream's threaded ``FSDPTestMultiThread``.
+    """
+
+    @property
+    def device(self) -> torch.device:
+        if DEVICE_TYPE == "cuda":
+            return torch.device("cuda", self.rank)
+        return torch.device("cpu")
 
     def check_parity(
         self,
@@ -233,7 +250,7 @@ class ParityMixin:
         ref_variant: tuple[SimpleNamespace, dict[str, Any]],
     ) -> list[float]:
         torch.manual_seed(42)
-        base = Model(config.dim, config.hidden).to(self.device)
+        base = (config.model_fn or Model)(config.dim, config.hidden).to(self.device)
         mesh = config.mesh or init_device_mesh(self.device.type, (self.world_size,))
         models = []
         for impl, extra_kwargs in (variant, ref_variant):
