@@ -1,15 +1,75 @@
 # Owner(s): ["oncall: distributed"]
 
+import copy
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_fsdp_ext import fully_shard
+from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+_COLLECTIVES = {
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+}
+# Ops that copy parameter or gradient data on FSDP's side
+_COPIES = {"copy_", "_foreach_copy_", "cat", "_chunk_cat", "split_with_sizes_copy", "_to_copy"}
+
+
+class _CommAndCopyRecorder(TorchDispatchMode):
+    """Records each collective (phase, kind, input numels) and counts copy ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.collectives: list[str] = []
+        self.copies: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[1]
+        if func.namespace == "c10d" and name in _COLLECTIVES:
+            inputs = args[1] if "coalesced" in name else [args[1]]
+            if name.startswith("allreduce"):
+                inputs = args[0]
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            numels = "+".join(str(t.numel()) for t in inputs)
+            self.collectives.append(f"{phase} {_COLLECTIVES[name]} {numels}")
+        elif func.namespace == fsdp_lib.ns or (func.namespace == "aten" and name in _COPIES):
+            self.copies[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _FakeProcessGroupTestCase(TestCase):
+    """Single-process tests over the fake process group at world size 2:
+    collectives do not move data, so every recorded op is FSDP's own."""
+
+    world_size = 2
+
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def _record_step(self, model: nn.Module, inp: torch.Tensor) -> _CommAndCopyRecorder:
+        model(inp).sum().backward()  # lazy init outside of the recording
+        with _CommAndCopyRecorder() as recorder:
+            model(inp).sum().backward()
+        return recorder
 
 
 class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
@@ -69,6 +129,184 @@ class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
             with self.assertRaisesRegex(TypeError, "group_collectives.*bool") as cm:
                 fully_shard(MLP(8), group_collectives=bad)
             self.assertIn(repr(bad), str(cm.exception))
+
+
+def _two_block_model(**kwargs) -> nn.Module:
+    torch.manual_seed(42)
+    model = nn.Sequential(MLP(8), MLP(8))
+    for mlp in model:
+        fully_shard(mlp, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
+    def test_reduce_scatter_per_param_without_copies(self):
+        """Tests that ``group_collectives=False`` reduce-scatters each gradient
+        by itself and, for contiguous, evenly divisible fp32 gradients, reads
+        the gradients in place: no ``chunk_cat`` and no other copy."""
+        model = _two_block_model(group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
+        # in_proj (32, 8) + bias, out_proj (8, 32) + bias, for each of 2 blocks
+        self.assertEqual(
+            reduce_scatters,
+            [
+                "backward reduce_scatter 256",
+                "backward reduce_scatter 32",
+                "backward reduce_scatter 256",
+                "backward reduce_scatter 8",
+            ]
+            * 2,
+        )
+        self.assertNotIn("chunk_cat", recorder.copies)
+        self.assertNotIn("copy_", recorder.copies)
+
+    def test_reduce_scatter_per_param_copies_only_ineligible_grads(self):
+        """Tests that a gradient that is not evenly divisible on dim-0, or not
+        in the reduce dtype, is copied into a temporary of its own: one copy
+        per such gradient, never a group-wide ``chunk_cat``."""
+        torch.manual_seed(42)
+        # dim-0 of 7 and 3 do not divide by 2; 8 does
+        model = nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 3), nn.Linear(3, 8))
+        fully_shard(model, group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        self.assertNotIn("chunk_cat", recorder.copies)
+        self.assertEqual(recorder.copies["copy_"], 4)
+
+    def test_grouped_reduce_scatter_uses_chunk_cat(self):
+        """Tests that the default ``group_collectives=True`` keeps one
+        ``chunk_cat`` copy-in and one reduce-scatter per group."""
+        model = _two_block_model()
+        recorder = self._record_step(model, torch.randn(4, 8))
+        reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
+        self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
+        self.assertEqual(recorder.copies["chunk_cat"], 2)
+
+
+class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
+    def test_all_gather_per_param_without_copies(self):
+        """Tests that ``group_collectives=False`` all-gathers each parameter by
+        itself straight into its unsharded storage: no ``all_gather_copy_in``,
+        no ``split_with_sizes_copy`` and no other copy in forward."""
+        model = _two_block_model(group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        all_gathers = [c for c in recorder.collectives if "all_gather" in c]
+        per_block = ["all_gather 128", "all_gather 16", "all_gather 128", "all_gather 4"]
+        self.assertEqual(
+            all_gathers,
+            [f"{phase} {c}" for phase in ("forward", "backward") for c in per_block * 2],
+        )
+        self.assertEqual(recorder.copies, Counter())
+
+    def test_all_gather_per_param_casts_per_param(self):
+        """Tests that with ``param_dtype`` each parameter is cast by itself
+        (one copy each) and gathered in that dtype."""
+        torch.manual_seed(42)
+        model = MLP(8)
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        fully_shard(model, mp_policy=mp_policy, group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        self.assertNotIn("all_gather_copy_in", recorder.copies)
+        self.assertNotIn("_foreach_copy_", recorder.copies)
+        # The forward input cast, 4 parameter casts to bf16 (the root
+        # all-gathers once), then 4 casts of the reduced gradients to fp32
+        self.assertEqual(recorder.copies, Counter({"_to_copy": 9}))
+
+    def test_trace_two_blocks(self):
+        """Tests the exact collective sequence of one training step of a
+        two-block model in both modes."""
+        traces = {}
+        for group_collectives in (True, False):
+            model = _two_block_model(group_collectives=group_collectives)
+            recorder = self._record_step(model, torch.randn(4, 8))
+            traces[group_collectives] = "\n".join(recorder.collectives)
+        self.assertExpectedInline(traces[True], """\
+forward all_gather 276
+forward all_gather 276
+backward all_gather 276
+backward all_gather 276
+backward reduce_scatter 552
+backward reduce_scatter 552""")
+        self.assertExpectedInline(traces[False], """\
+forward all_gather 128
+forward all_gather 16
+forward all_gather 128
+forward all_gather 4
+forward all_gather 128
+forward all_gather 16
+forward all_gather 128
+forward all_gather 4
+backward all_gather 128
+backward all_gather 16
+backward all_gather 128
+backward all_gather 4
+backward all_gather 128
+backward all_gather 16
+backward all_gather 128
+backward all_gather 4
+backward reduce_scatter 256
+backward reduce_scatter 32
+backward reduce_scatter 256
+backward reduce_scatter 8
+backward reduce_scatter 256
+backward reduce_scatter 32
+backward reduce_scatter 256
+backward reduce_scatter 8""")
+
+
+class TestFullyShardGroupCollectivesParity(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_per_param_matches_grouped(self):
+        """Tests that per-parameter collectives give bitwise-equal losses,
+        sharded parameters and sharded gradients to grouped ones."""
+        self.run_subtests(
+            {
+                "mp_policy": [
+                    MixedPrecisionPolicy(),
+                    MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                ],
+                "dim": [8, 7],  # evenly and unevenly sharded
+                "reshard_after_forward": [True, False],
+            },
+            self._test_per_param_matches_grouped,
+        )
+
+    def _test_per_param_matches_grouped(
+        self, mp_policy: MixedPrecisionPolicy, dim: int, reshard_after_forward: bool
+    ):
+        torch.manual_seed(42)
+        base = nn.Sequential(MLP(dim), MLP(dim))
+        models, optims = [], []
+        for group_collectives in (False, True):
+            model = copy.deepcopy(base)
+            for module in (*model, model):
+                fully_shard(
+                    module,
+                    mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward,
+                    group_collectives=group_collectives,
+                )
+            models.append(model)
+            optims.append(torch.optim.Adam(model.parameters(), lr=1e-2))
+        torch.manual_seed(42 + self.rank)
+        for step in range(4):
+            inp = torch.randn(4, dim)
+            losses = [model(inp).sum() for model in models]
+            for loss in losses:
+                loss.backward()
+            self.assertEqual(losses[0], losses[1], atol=0, rtol=0)
+            pairs = list(zip(models[0].parameters(), models[1].parameters(), strict=True))
+            for param, ref_param in pairs:
+                self.assertEqual(param.grad.to_local(), ref_param.grad.to_local(), atol=0, rtol=0)
+            for optim in optims:
+                optim.step()
+                optim.zero_grad(set_to_none=step % 2 == 0)
+            for param, ref_param in pairs:
+                self.assertEqual(param.to_local(), ref_param.to_local(), atol=0, rtol=0)
 
 
 if __name__ == "__main__":
