@@ -221,14 +221,19 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
             model = _two_block_model(group_collectives=group_collectives)
             recorder = self._record_step(model, torch.randn(4, 8))
             traces[group_collectives] = "\n".join(recorder.collectives)
-        self.assertExpectedInline(traces[True], """\
+        self.assertExpectedInline(
+            traces[True],
+            """\
 forward all_gather 276
 forward all_gather 276
 backward all_gather 276
 backward all_gather 276
 backward reduce_scatter 552
-backward reduce_scatter 552""")
-        self.assertExpectedInline(traces[False], """\
+backward reduce_scatter 552""",
+        )
+        self.assertExpectedInline(
+            traces[False],
+            """\
 forward all_gather 128
 forward all_gather 16
 forward all_gather 128
@@ -252,7 +257,8 @@ backward reduce_scatter 8
 backward reduce_scatter 256
 backward reduce_scatter 32
 backward reduce_scatter 256
-backward reduce_scatter 8""")
+backward reduce_scatter 8""",
+        )
 
 
 class TestFullyShardGroupCollectivesParity(FSDPTestMultiThread):
