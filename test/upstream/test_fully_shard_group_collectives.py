@@ -284,35 +284,120 @@ class TestFullyShardGroupCollectivesParity(FSDPTestMultiThread):
     def _test_per_param_matches_grouped(
         self, mp_policy: MixedPrecisionPolicy, dim: int, reshard_after_forward: bool
     ):
+        models = _copies_of_two_block_model(
+            dim,
+            [{"group_collectives": False}, {"group_collectives": True}],
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        _train_and_compare(self, models, dim)
+
+
+class TestFullyShardGroupCollectivesRuntimeSwitch(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_set_group_collectives_between_iterations(self):
+        """Tests that switching ``set_group_collectives`` every iteration
+        keeps bitwise parity with a model that always groups, and that the
+        switch reaches every parameter group (``recurse=True``) or only the
+        module's own (``recurse=False``)."""
+        models = _copies_of_two_block_model(8, [{}, {}])
+        model = models[0]
+
+        def before_step(step: int):
+            model.set_group_collectives(step % 2 == 1)
+            flags = {g.group_collectives for m in (*model, model) for g in _groups(m)}
+            self.assertEqual(flags, {step % 2 == 1})
+
+        _train_and_compare(self, models, 8, before_step=before_step)
+        model.set_group_collectives(False, recurse=False)
+        self.assertEqual(
+            [g.group_collectives for g in _groups(model)], [False] * len(_groups(model))
+        )
+        self.assertEqual([g.group_collectives for g in _groups(model[0])], [True])
+
+    def test_set_group_collectives_rejects_non_bool(self):
+        """Tests that ``set_group_collectives`` raises a ``TypeError`` for a
+        non-bool and leaves the flag unchanged."""
+        model = MLP(8)
+        fully_shard(model)
+        with self.assertRaisesRegex(TypeError, "group_collectives must be a bool but got 'no'"):
+            model.set_group_collectives("no")
+        self.assertTrue(_groups(model)[0].group_collectives)
+
+
+class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_set_group_collectives_refuses_pending_partial_reduce(self):
+        """Tests that switching modes while an HSDP partial reduction
+        (``set_requires_all_reduce(False)``) is pending raises instead of
+        mixing grouped and per-parameter partial outputs, and that switching
+        works again after an all-reducing backward."""
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(42)
-        base = nn.Sequential(MLP(dim), MLP(dim))
-        models, optims = [], []
-        for group_collectives in (False, True):
-            model = copy.deepcopy(base)
-            for module in (*model, model):
-                fully_shard(
-                    module,
-                    mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward,
-                    group_collectives=group_collectives,
-                )
-            models.append(model)
-            optims.append(torch.optim.Adam(model.parameters(), lr=1e-2))
-        torch.manual_seed(42 + self.rank)
-        for step in range(4):
-            inp = torch.randn(4, dim)
-            losses = [model(inp).sum() for model in models]
-            for loss in losses:
-                loss.backward()
-            self.assertEqual(losses[0], losses[1], atol=0, rtol=0)
-            pairs = list(zip(models[0].parameters(), models[1].parameters(), strict=True))
-            for param, ref_param in pairs:
-                self.assertEqual(param.grad.to_local(), ref_param.grad.to_local(), atol=0, rtol=0)
-            for optim in optims:
-                optim.step()
-                optim.zero_grad(set_to_none=step % 2 == 0)
-            for param, ref_param in pairs:
-                self.assertEqual(param.to_local(), ref_param.to_local(), atol=0, rtol=0)
+        model = MLP(8)
+        fully_shard(model, mesh=mesh)
+        inp = torch.randn(4, 8)
+        model.set_requires_all_reduce(False)
+        model(inp).sum().backward()
+        with self.assertRaisesRegex(RuntimeError, "partial reduction .* is pending"):
+            model.set_group_collectives(False)
+        self.assertTrue(_groups(model)[0].group_collectives)
+        model.set_requires_all_reduce(True)
+        model(inp).sum().backward()
+        model.set_group_collectives(False)
+        self.assertFalse(_groups(model)[0].group_collectives)
+
+
+def _groups(module: nn.Module) -> list:
+    return module._get_fsdp_state()._fsdp_param_groups
+
+
+def _copies_of_two_block_model(
+    dim: int, per_model_kwargs: list[dict], **common_kwargs
+) -> list[nn.Module]:
+    """Identically initialized two-block models, each sharded with its own kwargs."""
+    torch.manual_seed(42)
+    base = nn.Sequential(MLP(dim), MLP(dim))
+    models = []
+    for kwargs in per_model_kwargs:
+        model = copy.deepcopy(base)
+        for module in (*model, model):
+            fully_shard(module, **common_kwargs, **kwargs)
+        models.append(model)
+    return models
+
+
+def _train_and_compare(
+    test: TestCase, models: list[nn.Module], dim: int, before_step=lambda step: None
+) -> None:
+    """Trains ``models`` in lockstep for 4 steps and requires bitwise-equal
+    losses, sharded gradients and sharded parameters to ``models[-1]``."""
+    optims = [torch.optim.Adam(model.parameters(), lr=1e-2) for model in models]
+    torch.manual_seed(42 + test.rank)
+    for step in range(4):
+        before_step(step)
+        inp = torch.randn(4, dim)
+        losses = [model(inp).sum() for model in models]
+        for loss in losses:
+            loss.backward()
+        for loss in losses[:-1]:
+            test.assertEqual(loss, losses[-1], atol=0, rtol=0)
+        params = [list(model.parameters()) for model in models]
+        for model_params in params[:-1]:
+            for param, ref_param in zip(model_params, params[-1], strict=True):
+                test.assertEqual(param.grad.to_local(), ref_param.grad.to_local(), atol=0, rtol=0)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=step % 2 == 0)
+        for model_params in params[:-1]:
+            for param, ref_param in zip(model_params, params[-1], strict=True):
+                test.assertEqual(param.to_local(), ref_param.to_local(), atol=0, rtol=0)
 
 
 if __name__ == "__main__":
