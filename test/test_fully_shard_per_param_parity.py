@@ -2,11 +2,15 @@
 losses, sharded gradients and sharded parameters at every step, multi-process.
 
 At world size 2 a sum of two values does not depend on how tensors are packed,
-so the default comms give identical bits (DESIGN.md, "Numerics").
+so the default comms give identical bits (DESIGN.md, "Numerics"). At world size
+4 gloo sums in an order that depends on message size, so both sides use
+``DeterministicReduceScatter``.
 """
 
-from common_fsdp_ext import EXT, FSDPExtTestMultiProcess, ParityMixin
+from common_fsdp_ext import EXT, FSDPExtTestMultiProcess, ParityConfig, ParityMixin
 from torch.testing._internal.common_utils import run_tests
+
+from torch_fsdp_ext import DeterministicReduceScatter
 
 PER_PARAM = (EXT, {"group_collectives": False})
 GROUPED = (EXT, {"group_collectives": True})
@@ -22,6 +26,41 @@ class TestFullyShardPerParamParity(ParityMixin, FSDPExtTestMultiProcess):
 
     def _test_per_param_matches_grouped(self, config: str):
         self.check_parity(self.base_parity_configs()[config](), PER_PARAM, GROUPED)
+
+
+def _use_deterministic_reduce_scatter(model) -> None:
+    for module in model.modules():
+        if isinstance(module, EXT.FSDPModule):
+            # Set per group: set_custom_reduce_scatter refuses modules with
+            # several groups (per-parameter meshes), but this comm is stateless
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                group._reduce_scatter_comm = DeterministicReduceScatter()
+
+
+class TestFullyShardPerParamParityDeterministicW4(ParityMixin, FSDPExtTestMultiProcess):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_per_param_matches_grouped_deterministic(self):
+        """Tests that with ``DeterministicReduceScatter`` on both sides,
+        per-parameter collectives give the same bits as grouped ones at world
+        size 4 in every configuration of ``base_parity_configs``."""
+        self.run_subtests(
+            {"config": list(self.base_parity_configs())},
+            self._test_per_param_matches_grouped_deterministic,
+        )
+
+    def _test_per_param_matches_grouped_deterministic(self, config: str):
+        base = self.base_parity_configs()[config]()
+        after_shard = base.after_shard
+
+        def after_shard_deterministic(model):
+            after_shard(model)
+            _use_deterministic_reduce_scatter(model)
+
+        config = ParityConfig(**{**vars(base), "after_shard": after_shard_deterministic})
+        self.check_parity(config, PER_PARAM, GROUPED)
 
 
 if __name__ == "__main__":

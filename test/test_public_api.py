@@ -17,7 +17,8 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
 
     def test_exports_every_upstream_fsdp2_name(self):
         """Tests that every FSDP2 name of ``torch.distributed.fsdp`` is exported,
-        plus ``ShardPlacementResult``, ``FSDPMeshInfo`` and ``HSDPMeshInfo``."""
+        plus ``ShardPlacementResult``, ``FSDPMeshInfo``, ``HSDPMeshInfo`` and
+        ``DeterministicReduceScatter``."""
         fsdp2_names = {
             name
             for name in upstream_fsdp.__all__
@@ -25,7 +26,12 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
             and name in upstream_fsdp._fully_shard.__all__
         }
         self.assertIn("fully_shard", fsdp2_names)
-        extra = {"ShardPlacementResult", "FSDPMeshInfo", "HSDPMeshInfo"}
+        extra = {
+            "ShardPlacementResult",
+            "FSDPMeshInfo",
+            "HSDPMeshInfo",
+            "DeterministicReduceScatter",
+        }
         self.assertEqual(set(torch_fsdp_ext.__all__), fsdp2_names | extra)
         for name in torch_fsdp_ext.__all__:
             self.assertTrue(hasattr(torch_fsdp_ext, name), name)

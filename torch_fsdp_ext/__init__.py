@@ -20,6 +20,7 @@ from ._fully_shard import (  # noqa: E402
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from ._fully_shard._fsdp_collectives import DeterministicReduceScatter  # noqa: E402
 from ._fully_shard._fsdp_common import (  # noqa: E402
     FSDPMeshInfo,
     HSDPMeshInfo,
@@ -29,6 +30,7 @@ from ._fully_shard._fsdp_common import (  # noqa: E402
 __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
+    "DeterministicReduceScatter",
     "FSDPMeshInfo",
     "FSDPModule",
     "fully_shard",

@@ -14,7 +14,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
-from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DeterministicReduceScatter,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    lib as fsdp_lib,
+)
 from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 
 _COLLECTIVES = {
@@ -352,6 +357,59 @@ class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(FSDPTestMultiThread):
         model(inp).sum().backward()
         model.set_group_collectives(False)
         self.assertFalse(_groups(model)[0].group_collectives)
+
+
+class TestFullyShardDeterministicReduceScatter(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_sums_in_rank_order(self):
+        """Tests that each output element is the rank-order sum ``x_0 + x_1 +
+        ... + x_{W-1}`` of that element's inputs, for SUM, AVG and PREMUL_SUM,
+        and for a chunk size that packs differently than one tensor."""
+        self.run_subtests(
+            {
+                "op": [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM(0.3)],
+                "dtype": [torch.float32, torch.bfloat16],
+            },
+            self._test_sums_in_rank_order,
+        )
+
+    def _test_sums_in_rank_order(self, op, dtype: torch.dtype):
+        group = dist.distributed_c10d._get_default_group()
+        torch.manual_seed(42 + self.rank)
+        inp = torch.randn(self.world_size * 37, dtype=dtype)
+        out = torch.empty(37, dtype=dtype)
+        self.assertIsNone(DeterministicReduceScatter()(out, inp.clone(), group, op))
+        gathered = torch.empty(self.world_size, *inp.shape, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, inp, group=group)
+        chunks = gathered.view(self.world_size, self.world_size, -1)[:, self.rank]
+        if getattr(op, "op", op) == dist.ReduceOp.PREMUL_SUM:
+            chunks = chunks * op.factor
+        expected = chunks[0].clone()
+        for chunk in chunks[1:]:
+            expected += chunk
+        if op == dist.ReduceOp.AVG:
+            expected /= self.world_size
+        self.assertEqual(out, expected, atol=0, rtol=0)
+
+    def test_rejects_unsupported_op(self):
+        """Tests that ops other than SUM, AVG and PREMUL_SUM raise."""
+        group = dist.distributed_c10d._get_default_group()
+        with self.assertRaisesRegex(NotImplementedError, "supports SUM, AVG and PREMUL_SUM"):
+            DeterministicReduceScatter()(torch.empty(2), torch.zeros(8), group, dist.ReduceOp.MAX)
+
+    def test_per_param_matches_grouped(self):
+        """Tests that with ``DeterministicReduceScatter`` on both sides,
+        per-parameter and grouped reduce-scatters give bitwise-equal training
+        at world size 4, with uneven sharding and a divide factor."""
+        models = _copies_of_two_block_model(7, [{"group_collectives": False}, {}])
+        for model in models:
+            for module in (*model, model):
+                module.set_custom_reduce_scatter(DeterministicReduceScatter())
+                module.set_gradient_divide_factor(3.0)
+        _train_and_compare(self, models, 7)
 
 
 def _groups(module: nn.Module) -> list:
