@@ -4,9 +4,14 @@
 Each column is one way of sharding the same model from the same seed:
 
   upstream    torch.distributed.fsdp.fully_shard
-  ext         torch_fsdp_ext.fully_shard (group_collectives=True)
+  grouped     torch_fsdp_ext.fully_shard(..., group_collectives=True)
+  per-param   torch_fsdp_ext.fully_shard(..., group_collectives=False)
 
-The last column says whether every loss in the row is bitwise equal.
+The last column says whether every loss in the row is bitwise equal. At world
+size 2 they are with the default comms. At larger world sizes gloo sums in an
+order that depends on message size, so per-param can differ from the others in
+the last bits; --deterministic gives every column DeterministicReduceScatter,
+which makes them all equal again.
 """
 
 from __future__ import annotations
@@ -79,8 +84,16 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None
     base = Transformer(args.vocab, args.dim, args.heads, args.layers)
     variants = {
         "upstream": _shard(copy.deepcopy(base), upstream_fsdp.fully_shard),
-        "ext": _shard(copy.deepcopy(base), torch_fsdp_ext.fully_shard, group_collectives=True),
+        "grouped": _shard(copy.deepcopy(base), torch_fsdp_ext.fully_shard, group_collectives=True),
+        "per-param": _shard(
+            copy.deepcopy(base), torch_fsdp_ext.fully_shard, group_collectives=False
+        ),
     }
+    if args.deterministic:
+        for model in variants.values():
+            for module in model.modules():
+                if isinstance(module, upstream_fsdp.FSDPModule):
+                    module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter())
     optims = {
         name: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
         for name, m in variants.items()
@@ -128,6 +141,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="reduce-scatter with DeterministicReduceScatter in every column",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log.info("training on %d CPU ranks (gloo) for %d steps", args.world_size, args.steps)
