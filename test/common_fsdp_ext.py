@@ -248,7 +248,10 @@ class ParityMixin:
         config: ParityConfig,
         variant: tuple[SimpleNamespace, dict[str, Any]],
         ref_variant: tuple[SimpleNamespace, dict[str, Any]],
+        variant_after_shard: Callable[[nn.Module], None] = lambda model: None,
     ) -> list[float]:
+        """Trains ``variant`` against ``ref_variant``; ``variant_after_shard``
+        runs on the first model only, after ``config.after_shard``."""
         torch.manual_seed(42)
         base = (config.model_fn or Model)(config.dim, config.hidden).to(self.device)
         mesh = config.mesh or init_device_mesh(self.device.type, (self.world_size,))
@@ -261,6 +264,7 @@ class ParityMixin:
             impl.fully_shard(model, mesh=mesh, **kwargs)
             config.after_shard(model)
             models.append(model)
+        variant_after_shard(models[0])
         # Same input on both models: seed 42 + rank, advanced per step
         gen = torch.Generator(self.device.type)
 

@@ -18,7 +18,7 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
     def test_exports_every_upstream_fsdp2_name(self):
         """Tests that every FSDP2 name of ``torch.distributed.fsdp`` is exported,
         plus ``ShardPlacementResult``, ``FSDPMeshInfo``, ``HSDPMeshInfo`` and
-        ``DeterministicReduceScatter``."""
+        ``DeterministicReduceScatter`` and the backend registry."""
         fsdp2_names = {
             name
             for name in upstream_fsdp.__all__
@@ -31,6 +31,10 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
             "FSDPMeshInfo",
             "HSDPMeshInfo",
             "DeterministicReduceScatter",
+            "FSDPBackend",
+            "get_fsdp_backend",
+            "register_fsdp_backend",
+            "unregister_fsdp_backend",
         }
         self.assertEqual(set(torch_fsdp_ext.__all__), fsdp2_names | extra)
         for name in torch_fsdp_ext.__all__:

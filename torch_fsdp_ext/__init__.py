@@ -20,6 +20,12 @@ from ._fully_shard import (  # noqa: E402
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from ._fully_shard._fsdp_backend import (  # noqa: E402
+    FSDPBackend,
+    get_fsdp_backend,
+    register_fsdp_backend,
+    unregister_fsdp_backend,
+)
 from ._fully_shard._fsdp_collectives import DeterministicReduceScatter  # noqa: E402
 from ._fully_shard._fsdp_common import (  # noqa: E402
     FSDPMeshInfo,
@@ -31,14 +37,18 @@ __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "DeterministicReduceScatter",
+    "FSDPBackend",
     "FSDPMeshInfo",
     "FSDPModule",
     "fully_shard",
+    "get_fsdp_backend",
     "HSDPMeshInfo",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "register_fsdp_backend",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "ShardPlacementResult",
     "UnshardHandle",
+    "unregister_fsdp_backend",
 ]

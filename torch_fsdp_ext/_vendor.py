@@ -95,6 +95,13 @@ REWRITES: tuple[Rewrite, ...] = (
         for file in ("_fsdp_collectives.py", "_fsdp_param.py")
     ),
     Rewrite(
+        "_fsdp_backend.py",
+        'ENTRY_POINT_GROUP = "torch.distributed.fsdp.backends"',
+        f'ENTRY_POINT_GROUP = "{PACKAGE}.backends"',
+        1,
+        "backends register for this copy's registry, not torch's",
+    ),
+    Rewrite(
         "_fully_shard.py",
         "\nclass FSDPModule:\n",
         "\nclass FSDPModule(_UpstreamFSDPModule):\n",

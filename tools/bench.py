@@ -1,0 +1,1078 @@
+#!/usr/bin/env python3
+"""Benchmark FSDP2 side by side: upstream, grouped and per-parameter collectives.
+
+For each process group and world size, each model is sharded five ways from
+the same seed and trained in one run:
+
+  upstream              torch.distributed.fsdp.fully_shard
+  grouped               torch_fsdp_ext.fully_shard(..., group_collectives=True)
+  per-param             torch_fsdp_ext.fully_shard(..., group_collectives=False),
+                        a group's collectives coalesced (dist._coalescing_manager)
+  per-param-nocoalesce  the same, one collective after another (bench-only knob:
+                        _fsdp_collectives._COALESCING_BACKENDS = () around its steps)
+  deterministic         per-param with DeterministicReduceScatter on every module
+
+Metrics per mode: median, quartiles and min/max of the step time (forward,
+backward, AdamW step, zero_grad; the max over ranks of each step), also as a
+ratio to upstream; FSDP-side copy bytes counted by dispatch (bytes written by
+copy ops issued from FSDP's own code); peak bytes allocated in forward and in
+backward (the exact profiler method of test/test_fully_shard_per_param_memory.py
+on CPU, CUDA memory stats on GPU); number and bytes of collectives.
+
+Process groups: gloo (one process per rank), the fake process group (one
+process; collectives move no data, so it measures FSDP's own work: copies,
+allocations, Python and launch time) and NCCL on CUDA. On the fake process
+group the bench adds "fake" to _COALESCING_BACKENDS for the coalesced modes,
+so that it runs the same code path as gloo and NCCL (the package itself does
+not coalesce on "fake").
+
+Writes OUT/bench.json (or --json PATH), OUT/bench.md and PNG plots in OUT/.
+Results and commands for this repository's machine: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as upstream_fsdp
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+# demo.py (the transformer) sits next to this file; the exact peak-memory
+# helper lives with its test
+for _path in (ROOT / "tools", ROOT / "test"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from demo import Transformer  # noqa: E402
+
+log = logging.getLogger("torch_fsdp_ext.bench")
+
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------
+# Modes
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    upstream: bool = False
+    group_collectives: bool = True
+    # None: not a per-parameter mode; True/False: coalesce a group's collectives
+    coalesce: bool | None = None
+    deterministic: bool = False
+
+
+MODES = [
+    Mode("upstream", upstream=True),
+    Mode("grouped"),
+    Mode("per-param", group_collectives=False, coalesce=True),
+    Mode("per-param-nocoalesce", group_collectives=False, coalesce=False),
+    Mode("deterministic", group_collectives=False, coalesce=True, deterministic=True),
+]
+MODES_BY_NAME = {m.name: m for m in MODES}
+SWEEP_MODES = ["grouped", "per-param", "per-param-nocoalesce"]
+
+
+@contextlib.contextmanager
+def _coalescing(mode: Mode) -> Iterator[None]:
+    """Bench-only knob: the backends the per-parameter path coalesces on.
+
+    ``per-param-nocoalesce`` empties the list; the other per-parameter modes
+    add "fake" to it so the fake process group runs the coalesced code path.
+    """
+    if mode.coalesce is None:
+        yield
+        return
+    from torch_fsdp_ext._fully_shard import _fsdp_collectives
+
+    saved = _fsdp_collectives._COALESCING_BACKENDS
+    _fsdp_collectives._COALESCING_BACKENDS = (
+        tuple(dict.fromkeys((*saved, "fake"))) if mode.coalesce else ()
+    )
+    try:
+        yield
+    finally:
+        _fsdp_collectives._COALESCING_BACKENDS = saved
+
+
+def _shard(model: nn.Module, mode: Mode, wrap: list[nn.Module], mesh: DeviceMesh) -> nn.Module:
+    """Applies ``fully_shard`` to each of ``wrap`` (modules of ``model``), then to ``model``."""
+    import torch_fsdp_ext
+
+    if mode.upstream:
+        fully_shard, kwargs = upstream_fsdp.fully_shard, {}
+    else:
+        fully_shard = torch_fsdp_ext.fully_shard
+        kwargs = {"group_collectives": mode.group_collectives}
+    for module in wrap:
+        fully_shard(module, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    if mode.deterministic:
+        for module in model.modules():
+            if isinstance(module, upstream_fsdp.FSDPModule):
+                module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter())
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+
+
+class LinearChain(nn.Module):
+    """``num_params`` bias-free ``Linear(dim, dim)`` layers in a row: one
+    parameter group (``fully_shard`` on the root only) of equal-size params.
+
+    Weights are drawn with std ``dim ** -0.5`` so activations keep their scale
+    through hundreds of layers."""
+
+    def __init__(self, num_params: int, dim: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(num_params))
+        for layer in self.layers:
+            nn.init.normal_(layer.weight, std=dim**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    kind: str  # "llama" or "chain"
+    config: dict[str, int]
+    description: str
+
+    def build(self) -> nn.Module:
+        c = self.config
+        if self.kind == "llama":
+            return Transformer(c["vocab"], c["dim"], c["heads"], c["layers"])
+        return LinearChain(c["num_params"], c["dim"])
+
+    def wrap(self, model: nn.Module) -> list[nn.Module]:
+        """Modules that get their own ``fully_shard`` before the root."""
+        return list(model.blocks) if self.kind == "llama" else []
+
+    def make_input(self, rank: int, device: torch.device) -> torch.Tensor:
+        c = self.config
+        gen = torch.Generator().manual_seed(42 + rank)
+        if self.kind == "llama":
+            inp = torch.randint(c["vocab"], (c["batch"], c["seq"]), generator=gen)
+        else:
+            inp = torch.randn(c["batch"], c["dim"], generator=gen)
+        return inp.to(device)
+
+
+def _llama(name: str, vocab: int, dim: int, heads: int, layers: int, batch: int, seq: int):
+    return ModelSpec(
+        name,
+        "llama",
+        dict(vocab=vocab, dim=dim, heads=heads, layers=layers, batch=batch, seq=seq),
+        f"transformer (tools/demo.py): vocab {vocab}, dim {dim}, {heads} heads, "
+        f"{layers} blocks, batch {batch}x{seq} tokens; fully_shard per block + root",
+    )
+
+
+def _chain(name: str, num_params: int, dim: int, batch: int) -> ModelSpec:
+    return ModelSpec(
+        name,
+        "chain",
+        dict(num_params=num_params, dim=dim, batch=batch),
+        f"{num_params} params of {dim}x{dim} in one group, batch {batch}",
+    )
+
+
+MODELS = {
+    spec.name: spec
+    for spec in (
+        _llama("llama-S", vocab=512, dim=128, heads=4, layers=2, batch=4, seq=32),
+        _llama("llama-M", vocab=1024, dim=256, heads=8, layers=4, batch=4, seq=64),
+        _chain("many-small", num_params=64, dim=64, batch=32),
+        _chain("few-large", num_params=2, dim=2048, batch=8),
+    )
+}
+# The sweep: one group of n square params with a fixed total of 2**20
+# elements (4 MiB fp32), so FLOPs per step are the same at every point
+SWEEP_TOTAL_NUMEL = 1 << 20
+SWEEP_BATCH = 16
+
+
+def _sweep_spec(num_params: int) -> ModelSpec:
+    dim = math.isqrt(SWEEP_TOTAL_NUMEL // num_params)
+    assert dim * dim * num_params == SWEEP_TOTAL_NUMEL, num_params
+    return _chain(f"sweep-{num_params}", num_params, dim, SWEEP_BATCH)
+
+
+# ---------------------------------------------------------------------------
+# Copy and collective accounting
+# ---------------------------------------------------------------------------
+
+# aten ops that copy data; FSDP's custom ops (fsdp:: upstream, fsdp_ext:: here)
+# are counted whole (their inner aten ops are not seen by the mode)
+_COPY_OPS = {
+    "copy_",
+    "_foreach_copy_",
+    "cat",
+    "_chunk_cat",
+    "split_with_sizes_copy",
+    "_to_copy",
+    "clone",
+}
+_FSDP_NAMESPACES = {"fsdp", "fsdp_ext"}
+# c10d op -> (kind, index of the argument whose bytes are the payload):
+# all-gather output, reduce-scatter and all-to-all input, all-reduce tensors
+_COLLECTIVES = {
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(value: Any) -> int:
+    total = 0
+    for t in _tensors(value):
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _fsdp_dirs() -> tuple[str, ...]:
+    import torch.distributed.fsdp._fully_shard as upstream_pkg
+
+    import torch_fsdp_ext._fully_shard as ext_pkg
+
+    return tuple(str(Path(p.__file__).resolve().parent) + os.sep for p in (upstream_pkg, ext_pkg))
+
+
+class CopyAndCollectiveRecorder(TorchDispatchMode):
+    """Sums the bytes written by copy ops and the collectives of a region.
+
+    A copy is FSDP-side when FSDP's own Python code (upstream's
+    ``torch/distributed/fsdp/_fully_shard`` or the generated
+    ``torch_fsdp_ext/_fully_shard``) is on the stack when it is dispatched;
+    other copies (the model's own, autograd's) go to ``model_copy_bytes``.
+    Bytes written: the mutated arguments of an in-place or ``out=`` op, else
+    the outputs; for ``all_gather_copy_in``, the copied-in slice (its first
+    output), not the all-gather output that the collective fills.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.copies: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # op -> [count, bytes]
+        self.model_copy_bytes = 0
+        # kind -> [ops issued, tensors, bytes]
+        self.collectives: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._fsdp_dirs = _fsdp_dirs()
+
+    def _from_fsdp(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(self._fsdp_dirs):
+                return True
+            frame = frame.f_back
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        namespace, name = func.namespace, func._schema.name.split("::")[1]
+        if namespace == "c10d" and name in _COLLECTIVES:
+            kind, index = _COLLECTIVES[name]
+            record = self.collectives[kind]
+            record[0] += 1
+            record[1] += len(_tensors(args[index]))
+            record[2] += _nbytes(args[index])
+        elif namespace in _FSDP_NAMESPACES or (namespace == "aten" and name in _COPY_OPS):
+            nbytes = self._bytes_written(func, name, args, kwargs, out)
+            if self._from_fsdp():
+                record = self.copies[f"{namespace}::{name}"]
+                record[0] += 1
+                record[1] += nbytes
+            else:
+                self.model_copy_bytes += nbytes
+        return out
+
+    @staticmethod
+    def _bytes_written(func, name: str, args, kwargs, out) -> int:
+        if name == "all_gather_copy_in":
+            return _nbytes(out[0])
+        written, mutates = 0, False
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                mutates = True
+                value = (
+                    kwargs.get(arg.name)
+                    if arg.kwarg_only
+                    else (args[i] if i < len(args) else kwargs.get(arg.name))
+                )
+                written += _nbytes(value)
+        return written if mutates else _nbytes(out)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "copy_bytes": sum(b for _, b in self.copies.values()),
+            "copy_ops": {k: {"count": c, "bytes": b} for k, (c, b) in sorted(self.copies.items())},
+            "model_copy_bytes": self.model_copy_bytes,
+            "collectives": {
+                "ops": sum(r[0] for r in self.collectives.values()),
+                "tensors": sum(r[1] for r in self.collectives.values()),
+                "bytes": sum(r[2] for r in self.collectives.values()),
+                "by_kind": {
+                    k: {"ops": o, "tensors": t, "bytes": b}
+                    for k, (o, t, b) in sorted(self.collectives.items())
+                },
+            },
+        }
+
+
+# ---------------------------------------------------------------------------
+# Measurements (run on every rank)
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    pg: str
+    world_size: int
+    device: str
+    models: list[str]
+    sweep: list[int]
+    warmup: int
+    steps: int
+    threads: int
+    profile_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, inp: torch.Tensor) -> None:
+    loss = model(inp).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def _forward_backward(model: nn.Module, inp: torch.Tensor) -> None:
+    model(inp).sum().backward()
+    for param in model.parameters():
+        param.grad = None
+
+
+def _cuda_step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
+    """Like ``step_peak_bytes`` but from CUDA memory stats."""
+    device = inp.device
+    _forward_backward(model, inp)  # lazy init
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    loss = model(inp).sum()
+    _sync(device)
+    fwd = torch.cuda.max_memory_allocated(device) - baseline
+    torch.cuda.reset_peak_memory_stats(device)
+    loss.backward()
+    _sync(device)
+    bwd = torch.cuda.max_memory_allocated(device) - baseline
+    del loss
+    for param in model.parameters():
+        param.grad = None
+    return fwd, bwd
+
+
+def _step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
+    if inp.device.type == "cuda":
+        return _cuda_step_peak_bytes(model, inp)
+    from test_fully_shard_per_param_memory import step_peak_bytes
+
+    return step_peak_bytes(model, inp)
+
+
+def _reduce_scatter_buffer_bytes(model: nn.Module) -> list[int]:
+    """Per parameter group: bytes of the grouped path's reduce-scatter input
+    (the ``chunk_cat`` buffer: padded unsharded gradients, fp32 here)."""
+    sizes = []
+    for module in model.modules():
+        if not isinstance(module, upstream_fsdp.FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            world_size = group.mesh_info.shard_mesh_size
+            numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+            sizes.append(numel * world_size * 4)
+    return sizes
+
+
+def _stats(samples: list[float]) -> dict[str, Any]:
+    ordered = sorted(samples)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {
+        "median": statistics.median(ordered),
+        "q1": q1,
+        "q3": q3,
+        "min": ordered[0],
+        "max": ordered[-1],
+        "samples": samples,
+    }
+
+
+def _sharded_copy(spec: ModelSpec, base: nn.Module, mode: Mode, mesh: DeviceMesh) -> nn.Module:
+    model = copy.deepcopy(base)
+    return _shard(model, mode, spec.wrap(model), mesh)
+
+
+def _bench_model(
+    spec: ModelSpec,
+    mode_names: list[str],
+    cfg: RunConfig,
+    mesh: DeviceMesh,
+    rank: int,
+    device: torch.device,
+    *,
+    memory: bool,
+) -> dict[str, Any]:
+    torch.manual_seed(42)
+    base = spec.build().to(device)
+    num_params = sum(p.numel() for p in base.parameters())
+    inp = spec.make_input(rank, device)
+    modes = [MODES_BY_NAME[n] for n in mode_names]
+    models = {m.name: _sharded_copy(spec, base, m, mesh) for m in modes}
+    optims = {
+        name: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        for name, model in models.items()
+    }
+    result: dict[str, Any] = {
+        "model": spec.name,
+        "description": spec.description,
+        "config": spec.config,
+        "numel": num_params,
+        "num_tensors": sum(1 for _ in base.parameters()),
+        "reduce_scatter_buffer_bytes": _reduce_scatter_buffer_bytes(models[mode_names[0]]),
+        "modes": {},
+    }
+    # Warm-up, then timed rounds; the order of the modes rotates every round
+    # so that load drift and cache effects do not favour one mode
+    for _ in range(cfg.warmup):
+        for mode in modes:
+            with _coalescing(mode):
+                _train_step(models[mode.name], optims[mode.name], inp)
+    times = torch.zeros(len(modes), cfg.steps, dtype=torch.float64)
+    for step in range(cfg.steps):
+        for k in range(len(modes)):
+            i = (step + k) % len(modes)
+            mode = modes[i]
+            dist.barrier()
+            _sync(device)
+            with _coalescing(mode):
+                start = time.perf_counter()
+                _train_step(models[mode.name], optims[mode.name], inp)
+                _sync(device)
+                times[i, step] = time.perf_counter() - start
+    # A step takes as long as its slowest rank
+    times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.cpu()
+    for i, mode in enumerate(modes):
+        with _coalescing(mode):
+            _forward_backward(models[mode.name], inp)
+            with CopyAndCollectiveRecorder() as recorder:
+                _forward_backward(models[mode.name], inp)
+        result["modes"][mode.name] = {
+            "step_time_s": _stats(times[i].tolist()),
+            **recorder.summary(),
+        }
+    if cfg.profile_dir is not None:
+        for mode in modes:
+            _profile(spec, mode, models[mode.name], optims[mode.name], inp, cfg, rank)
+    del models, optims
+    if memory:
+        for mode in modes:
+            model = _sharded_copy(spec, base, mode, mesh)
+            with _coalescing(mode):
+                fwd, bwd = _step_peak_bytes(model, inp)
+            result["modes"][mode.name].update(fwd_peak_bytes=fwd, bwd_peak_bytes=bwd)
+            del model
+    return result
+
+
+def _profile(spec, mode, model, optim, inp, cfg: RunConfig, rank: int) -> None:
+    """Writes torch.profiler's key_averages table of one training step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if inp.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with _coalescing(mode), torch.profiler.profile(activities=activities) as prof:
+        _train_step(model, optim, inp)
+        _sync(inp.device)
+    if rank == 0:
+        path = Path(cfg.profile_dir) / f"{cfg.pg}-w{cfg.world_size}-{spec.name}-{mode.name}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sort_by = "self_cuda_time_total" if inp.device.type == "cuda" else "self_cpu_time_total"
+        path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=30) + "\n")
+
+
+def _run_suite(rank: int, cfg: RunConfig) -> dict[str, Any]:
+    torch.set_num_threads(cfg.threads)
+    # Fake all-gathers leave parameters uninitialized; flushing denormals
+    # keeps garbage values from slowing down the math (applied in every run)
+    torch.set_flush_denormal(True)
+    if cfg.device == "cuda":
+        device = torch.device("cuda", rank if cfg.pg != "fake" else 0)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    mesh = init_device_mesh(device.type, (cfg.world_size,))
+    run: dict[str, Any] = {
+        "pg": cfg.pg,
+        "world_size": cfg.world_size,
+        "device": str(device.type),
+        "threads_per_rank": cfg.threads,
+        "warmup_steps": cfg.warmup,
+        "timed_steps": cfg.steps,
+        "loadavg_start": _loadavg(),
+        "models": [],
+        "sweep": [],
+    }
+    start = time.perf_counter()
+    for name in cfg.models:
+        if rank == 0:
+            log.info("  %s W=%d: %s", cfg.pg, cfg.world_size, name)
+        run["models"].append(
+            _bench_model(
+                MODELS[name], [m.name for m in MODES], cfg, mesh, rank, device, memory=True
+            )
+        )
+    for num_params in cfg.sweep:
+        if rank == 0:
+            log.info("  %s W=%d: sweep, %d params per group", cfg.pg, cfg.world_size, num_params)
+        run["sweep"].append(
+            _bench_model(
+                _sweep_spec(num_params), SWEEP_MODES, cfg, mesh, rank, device, memory=False
+            )
+        )
+    run["wall_s"] = time.perf_counter() - start
+    run["loadavg_end"] = _loadavg()
+    return run
+
+
+def _worker(rank: int, cfg: RunConfig, store_path: str, result_path: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    store = dist.FileStore(store_path, cfg.world_size)
+    backend = cfg.pg
+    dist.init_process_group(backend, rank=rank, world_size=cfg.world_size, store=store)
+    try:
+        run = _run_suite(rank, cfg)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(run))
+
+
+def _run(cfg: RunConfig) -> dict[str, Any]:
+    log.info(
+        "%s W=%d on %s, %d thread(s) per rank, %d warm-up + %d timed steps",
+        cfg.pg,
+        cfg.world_size,
+        cfg.device,
+        cfg.threads,
+        cfg.warmup,
+        cfg.steps,
+    )
+    if cfg.pg == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world_size)
+        try:
+            return _run_suite(0, cfg)
+        finally:
+            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        mp.spawn(
+            _worker,
+            args=(cfg, os.path.join(tmp, "store"), result_path),
+            nprocs=cfg.world_size,
+            join=True,
+        )
+        return json.loads(Path(result_path).read_text())
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def _loadavg() -> str | None:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return None
+
+
+def _machine(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError, ValueError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages / (1 << 30), 1)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def _add_ratios(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        for entry in [*run["models"], *run["sweep"]]:
+            modes = entry["modes"]
+            ref = modes.get("upstream", modes.get("grouped"))["step_time_s"]["median"]
+            grouped = modes["grouped"]["step_time_s"]["median"]
+            for stats in modes.values():
+                median = stats["step_time_s"]["median"]
+                stats["time_ratio_to_upstream"] = median / ref if "upstream" in modes else None
+                stats["time_ratio_to_grouped"] = median / grouped
+
+
+TARGET_COPY_FRACTION = 0.05
+TARGET_RS_BUFFER_FRACTION = 0.9
+TARGET_TIME_RATIO = 1.05
+
+
+def _targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, for every Llama-like model in every run (the
+    issue states them for gloo at W=4)."""
+    targets = []
+    for run in runs:
+        for entry in run["models"]:
+            if not entry["model"].startswith("llama"):
+                continue
+            modes = entry["modes"]
+            per_param, grouped = modes["per-param"], modes["grouped"]
+            where = {"pg": run["pg"], "world_size": run["world_size"], "model": entry["model"]}
+            rs_buffer = max(entry["reduce_scatter_buffer_bytes"])
+            copy_limit = TARGET_COPY_FRACTION * grouped["copy_bytes"]
+            mem_limit = grouped["bwd_peak_bytes"] - TARGET_RS_BUFFER_FRACTION * rs_buffer
+            time_ratio = per_param["time_ratio_to_grouped"]
+            targets += [
+                {
+                    **where,
+                    "target": "per-param copy bytes <= 5% of grouped",
+                    "value": per_param["copy_bytes"],
+                    "limit": copy_limit,
+                    "met": per_param["copy_bytes"] <= copy_limit,
+                },
+                {
+                    **where,
+                    "target": "per-param bwd peak <= grouped - 0.9 x RS buffer",
+                    "value": per_param["bwd_peak_bytes"],
+                    "limit": mem_limit,
+                    "rs_buffer_bytes": rs_buffer,
+                    "saving_in_rs_buffers": (
+                        grouped["bwd_peak_bytes"] - per_param["bwd_peak_bytes"]
+                    )
+                    / rs_buffer,
+                    "met": per_param["bwd_peak_bytes"] <= mem_limit,
+                },
+                {
+                    **where,
+                    "target": "per-param / grouped step time <= 1.05",
+                    "value": time_ratio,
+                    "limit": TARGET_TIME_RATIO,
+                    "met": time_ratio <= TARGET_TIME_RATIO,
+                },
+            ]
+    return targets
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:.2f}"
+
+
+def _ms(stats: dict[str, Any]) -> str:
+    return f"{stats['median'] * 1e3:.1f} [{stats['q1'] * 1e3:.1f}-{stats['q3'] * 1e3:.1f}]"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    machine = meta["machine"]
+    lines = [
+        "# tools/bench.py results",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {machine.get('cpu_model', '?')}, {machine['cpus']} CPUs, "
+        f"{machine.get('memory_gib', '?')} GiB, {machine['platform']}; torch {machine['torch']}"
+        + (f"; GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else "")
+        + ".",
+        f"Load average at start / end: `{meta['loadavg_start']}` / `{meta['loadavg_end']}`. "
+        f"Total {meta['wall_s']:.0f} s.",
+        "",
+        "Step time: median [quartiles] in ms over the timed steps of one training step "
+        "(forward, backward, AdamW, zero_grad), the slowest rank per step. Peaks: bytes "
+        "allocated above the step's start, in forward and in backward. Copies: bytes "
+        "written by FSDP-side copy ops in one forward+backward. Collectives: ops issued / "
+        "tensors / MiB of payload in one forward+backward.",
+        "",
+    ]
+    for run in report["runs"]:
+        lines += [
+            f"## {run['pg']}, world size {run['world_size']} ({run['device']}, "
+            f"{run['threads_per_rank']} thread(s) per rank, {run['warmup_steps']} warm-up + "
+            f"{run['timed_steps']} timed steps, load {run['loadavg_start']})",
+            "",
+            "| model | mode | step ms | vs upstream | vs grouped | fwd peak MiB | "
+            "bwd peak MiB | copy MiB | collectives ops / tensors / MiB |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for entry in run["models"]:
+            for name, stats in entry["modes"].items():
+                coll = stats["collectives"]
+                lines.append(
+                    f"| {entry['model']} | {name} | {_ms(stats['step_time_s'])} | "
+                    f"{_ratio(stats['time_ratio_to_upstream'])} | "
+                    f"{_ratio(stats['time_ratio_to_grouped'])} | "
+                    f"{_mib(stats['fwd_peak_bytes'])} | {_mib(stats['bwd_peak_bytes'])} | "
+                    f"{_mib(stats['copy_bytes'])} | "
+                    f"{coll['ops']} / {coll['tensors']} / {_mib(coll['bytes'])} |"
+                )
+        if run["sweep"]:
+            lines += [
+                "",
+                f"Sweep: one group of n square params, {SWEEP_TOTAL_NUMEL} elements in all, "
+                f"batch {SWEEP_BATCH}; step ms median [quartiles] and ratio to grouped.",
+                "",
+                "| params per group | " + " | ".join(SWEEP_MODES) + " |",
+                "|---|" + "---|" * len(SWEEP_MODES),
+            ]
+            for entry in run["sweep"]:
+                cells = [
+                    f"{_ms(entry['modes'][m]['step_time_s'])} "
+                    f"(x{entry['modes'][m]['time_ratio_to_grouped']:.3f})"
+                    for m in SWEEP_MODES
+                ]
+                lines.append(f"| {entry['config']['num_params']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "## Targets (issue 6; stated for gloo at W=4)",
+        "",
+        "| pg | W | model | target | value | limit | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in report["targets"]:
+        if "bytes" in t["target"] or "peak" in t["target"]:
+            value, limit = f"{_mib(t['value'])} MiB", f"{_mib(t['limit'])} MiB"
+            if "saving_in_rs_buffers" in t:
+                value += f" (saves {t['saving_in_rs_buffers']:.2f} RS buffers)"
+        else:
+            value, limit = f"{t['value']:.3f}", f"{t['limit']:.2f}"
+        lines.append(
+            f"| {t['pg']} | {t['world_size']} | {t['model']} | {t['target']} | {value} | "
+            f"{limit} | {'yes' if t['met'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "The MoE model of issue 5 does not exist yet; it is not benchmarked.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _mode_colors() -> dict[str, str]:
+    return dict(
+        zip(
+            [m.name for m in MODES],
+            ["#7f7f7f", "#1f77b4", "#2ca02c", "#98df8a", "#d62728"],
+            strict=True,
+        )
+    )
+
+
+def render_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = _mode_colors()
+    runs = report["runs"]
+    model_names = list(dict.fromkeys(e["model"] for r in runs for e in r["models"]))
+    paths = []
+
+    def grid(title: str):
+        fig, axes = plt.subplots(
+            len(runs),
+            len(model_names),
+            figsize=(3.2 * len(model_names), 2.6 * len(runs) + 0.6),
+            squeeze=False,
+            constrained_layout=True,
+        )
+        fig.suptitle(title)
+        return fig, axes
+
+    def each_panel(axes):
+        for row, run in enumerate(runs):
+            entries = {e["model"]: e for e in run["models"]}
+            for col, model in enumerate(model_names):
+                ax = axes[row][col]
+                ax.set_title(f"{run['pg']} W={run['world_size']}: {model}", fontsize=8)
+                ax.tick_params(labelsize=7)
+                if model not in entries:
+                    ax.set_axis_off()
+                    continue
+                yield ax, entries[model]
+
+    # Step time
+    fig, axes = grid("Step time: median, whiskers = quartiles (ms)")
+    for ax, entry in each_panel(axes):
+        names = list(entry["modes"])
+        med = [entry["modes"][n]["step_time_s"]["median"] * 1e3 for n in names]
+        lo = [
+            m - entry["modes"][n]["step_time_s"]["q1"] * 1e3
+            for m, n in zip(med, names, strict=True)
+        ]
+        hi = [
+            entry["modes"][n]["step_time_s"]["q3"] * 1e3 - m
+            for m, n in zip(med, names, strict=True)
+        ]
+        ax.bar(range(len(names)), med, yerr=[lo, hi], color=[colors[n] for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
+    paths.append(out / "time.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # Peak memory
+    fig, axes = grid("Peak bytes allocated above the step's start (MiB): forward / backward")
+    for ax, entry in each_panel(axes):
+        names = list(entry["modes"])
+        x = range(len(names))
+        fwd = [entry["modes"][n]["fwd_peak_bytes"] / MiB for n in names]
+        bwd = [entry["modes"][n]["bwd_peak_bytes"] / MiB for n in names]
+        ax.bar([i - 0.2 for i in x], fwd, 0.4, color=[colors[n] for n in names], alpha=0.5)
+        ax.bar([i + 0.2 for i in x], bwd, 0.4, color=[colors[n] for n in names])
+        ax.set_xticks(list(x), names, rotation=40, ha="right")
+    paths.append(out / "memory.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # Copy bytes
+    fig, axes = grid("FSDP-side copy bytes in one forward + backward (MiB)")
+    for ax, entry in each_panel(axes):
+        names = list(entry["modes"])
+        ax.bar(
+            range(len(names)),
+            [entry["modes"][n]["copy_bytes"] / MiB for n in names],
+            color=[colors[n] for n in names],
+        )
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
+    paths.append(out / "copies.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # Sweep
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    styles = ["-", "--", ":", "-."]
+    for k, run in enumerate(r for r in runs if r["sweep"]):
+        xs = [e["config"]["num_params"] for e in run["sweep"]]
+        for mode in ("per-param", "per-param-nocoalesce"):
+            ys = [e["modes"][mode]["time_ratio_to_grouped"] for e in run["sweep"]]
+            ax.plot(
+                xs,
+                ys,
+                styles[k % len(styles)],
+                marker="o",
+                color=colors[mode],
+                label=f"{mode}, {run['pg']} W={run['world_size']}",
+            )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(TARGET_TIME_RATIO, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"params per group ({SWEEP_TOTAL_NUMEL} elements in all)")
+    ax.set_ylabel("median step time / grouped")
+    ax.set_title("Per-parameter vs grouped collectives")
+    ax.legend(fontsize=7)
+    paths.append(out / "sweep.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+
+def _plan(args: argparse.Namespace) -> list[RunConfig]:
+    cpus = os.cpu_count() or 1
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA GPU is available")
+        gpus = torch.cuda.device_count()
+        pgs = args.pg or (["nccl", "fake"] if gpus >= 2 else ["fake"])
+    else:
+        pgs = args.pg or ["gloo", "fake"]
+    if "nccl" in pgs and args.device != "cuda":
+        raise SystemExit("--pg nccl needs --device cuda")
+    if "gloo" in pgs and args.device == "cuda":
+        raise SystemExit("--pg gloo runs on CPU; use --device cpu")
+    default_sizes = {
+        "gloo": [2] if args.quick else [2, 4],
+        "fake": [8],
+        "nccl": [min(torch.cuda.device_count(), 8)] if args.device == "cuda" else [],
+    }
+    if args.quick:
+        models, sweep, warmup, steps = ["llama-S", "many-small", "few-large"], [4, 64, 256], 1, 3
+    else:
+        models, sweep, warmup, steps = list(MODELS), [4, 16, 64, 256], 3, args.steps
+    plan = []
+    for pg in pgs:
+        for world_size in args.world_size or default_sizes[pg]:
+            if pg == "nccl" and world_size > torch.cuda.device_count():
+                raise SystemExit(f"nccl W={world_size}: only {torch.cuda.device_count()} GPUs")
+            if args.device == "cuda":
+                threads = max(1, cpus // world_size) if pg == "nccl" else cpus
+            else:
+                threads = max(1, cpus // world_size) if pg == "gloo" else cpus
+            # Quick mode sweeps on the fake process group only
+            plan.append(
+                RunConfig(
+                    pg=pg,
+                    world_size=world_size,
+                    device=args.device,
+                    models=models,
+                    sweep=sweep if (not args.quick or pg == "fake") else [],
+                    warmup=warmup,
+                    steps=steps,
+                    threads=threads,
+                    profile_dir=str(args.out / "profiles") if args.profile else None,
+                )
+            )
+    return plan
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-out", help="output folder")
+    parser.add_argument("--json", type=Path, help="JSON path (default: OUT/bench.json)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="llama-S and the two synthetic groups, gloo W=2 and fake W=8, 1 warm-up + 3 "
+        "timed steps, sweep on fake only (under a minute on 2 cores)",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--pg",
+        nargs="+",
+        choices=["gloo", "fake", "nccl"],
+        help="process groups (default: gloo and fake on cpu; nccl (>= 2 GPUs) and fake on cuda)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        help="world sizes for every process group (default: gloo 2 4, fake 8, nccl #GPUs)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=15, help="timed steps per mode (full mode; >= 10)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write torch.profiler key_averages of one step per mode to OUT/profiles/",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.json or args.out / "bench.json"
+    command = " ".join(["tools/bench.py", *(sys.argv[1:] if argv is None else argv)])
+
+    start = time.perf_counter()
+    meta = {
+        "command": command,
+        "quick": args.quick,
+        "machine": _machine(args.device),
+        "loadavg_start": _loadavg(),
+        "modes": [asdict(m) for m in MODES],
+        "models": {name: asdict(spec) for name, spec in MODELS.items()},
+        "notes": [
+            "MoE model of issue 5: not benchmarked, it does not exist yet",
+            "fake process group: 'fake' added to _COALESCING_BACKENDS for the coalesced modes",
+            "collective bytes: all-gather output, reduce-scatter and all-to-all input, "
+            "all-reduce tensors",
+        ],
+    }
+    runs = [_run(cfg) for cfg in _plan(args)]
+    _add_ratios(runs)
+    meta["loadavg_end"] = _loadavg()
+    meta["wall_s"] = time.perf_counter() - start
+    report = {"meta": meta, "runs": runs, "targets": _targets(runs)}
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    markdown = render_markdown(report)
+    (args.out / "bench.md").write_text(markdown)
+    plots = render_plots(report, args.out)
+    print(markdown)
+    log.info("wrote %s, %s, %s", json_path, args.out / "bench.md", ", ".join(map(str, plots)))
+
+
+if __name__ == "__main__":
+    main()
