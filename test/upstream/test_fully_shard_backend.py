@@ -1,6 +1,7 @@
 # Owner(s): ["oncall: distributed"]
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -23,6 +24,7 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
     _get_gradient_divide_factors,
 )
+from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 
 
 @contextlib.contextmanager
@@ -232,6 +234,42 @@ class TestFullyShardBackendDefaults(TestCase):
             sorted(comm.allocations, key=lambda s: s.numel()),
             [(4,), (4,), (8,), (28,), (32,), (64,)],
         )
+
+    def test_grouped_buffer_from_backend_allocate(self):
+        """Tests that in grouped mode the backend's comm allocates the
+        group-wide reduce-scatter input (the ``chunk_cat`` buffer) and output."""
+        with _registered("cpu", FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
+            torch.manual_seed(42)
+            model = fully_shard(MLP(8))
+            comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+            model(torch.randn(4, 8)).sum().backward()
+        # 552 unsharded gradient elements in, 276 per rank out
+        self.assertEqual(comm.allocations, [(552,), (276,)])
+        self.assertEqual(len(comm.input_data_ptrs), 1)
+
+    def test_grouped_copy_in_overridable_per_dispatch_key(self):
+        """Tests that a backend can replace the grouped copy-in by registering
+        its own kernel of the ``chunk_cat`` custom op for its dispatch key
+        (CPU here, PrivateUse1 for an out-of-tree device), and that
+        destroying the registration restores FSDP's kernel."""
+        calls = []
+
+        def chunk_cat(tensors, dim, num_chunks, out):
+            calls.append(len(tensors))
+            torch._chunk_cat(tensors, dim, num_chunks, out=out)
+
+        model = fully_shard(MLP(8))
+        lib = torch.library.Library(fsdp_lib.ns, "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Warning only once for all operators")
+                lib.impl("chunk_cat", chunk_cat, "CPU")
+            model(torch.randn(4, 8)).sum().backward()
+        finally:
+            lib._destroy()
+        self.assertEqual(calls, [4])
+        model(torch.randn(4, 8)).sum().backward()
+        self.assertEqual(calls, [4])
 
     def test_cpu_offload_policy_default_without_accelerator(self):
         """Tests that the default ``CPUOffloadPolicy()`` works on a machine
