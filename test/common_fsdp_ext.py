@@ -65,14 +65,15 @@ def first_difference(actual: torch.Tensor, expected: torch.Tensor) -> str:
     """Describe where two tensors first differ, for bitwise-equality failures."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return f"{actual.shape=} {actual.dtype=} vs {expected.shape=} {expected.dtype=}"
-    ne = (actual != expected) & ~(actual.isnan() & expected.isnan())
-    idx = ne.nonzero()
-    if idx.numel() == 0:
+    ne = ((actual != expected) & ~(actual.isnan() & expected.isnan())).reshape(-1)
+    flat_idx = ne.nonzero().flatten()
+    if flat_idx.numel() == 0:
         return "equal"
-    first = tuple(idx[0].tolist())
+    first = flat_idx[0].item()
+    where = tuple(int(i) for i in torch.unravel_index(flat_idx[0], actual.shape))
     return (
-        f"{idx.size(0)} of {actual.numel()} elements differ; first at {first}: "
-        f"{actual[first].item()!r} vs {expected[first].item()!r}"
+        f"{flat_idx.numel()} of {actual.numel()} elements differ; first at {where}: "
+        f"{actual.reshape(-1)[first].item()!r} vs {expected.reshape(-1)[first].item()!r}"
     )
 
 
