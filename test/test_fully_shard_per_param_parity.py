@@ -7,7 +7,10 @@ so the default comms give identical bits (DESIGN.md, "Numerics"). At world size
 ``DeterministicReduceScatter``.
 """
 
-from common_fsdp_ext import EXT, FSDPExtTestMultiProcess, ParityConfig, ParityMixin
+import copy
+
+import torch
+from common_fsdp_ext import EXT, FSDPExtTestMultiProcess, Model, ParityConfig, ParityMixin
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import DeterministicReduceScatter
@@ -26,6 +29,34 @@ class TestFullyShardPerParamParity(ParityMixin, FSDPExtTestMultiProcess):
 
     def _test_per_param_matches_grouped(self, config: str):
         self.check_parity(self.base_parity_configs()[config](), PER_PARAM, GROUPED)
+
+    def test_per_param_matches_unsharded_reference(self):
+        """Tests, as a sanity check within float tolerance, that per-parameter
+        FSDP trains like one unsharded model fed every rank's input (FSDP
+        averages gradients over ranks, so the reference averages the losses)."""
+        torch.manual_seed(42)
+        ref_model = Model(16, 32).to(self.device)
+        model = copy.deepcopy(ref_model)
+        for block in model.blocks:
+            EXT.fully_shard(block, group_collectives=False)
+        EXT.fully_shard(model, group_collectives=False)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+        gen = torch.Generator(self.device.type)
+        for step in range(4):
+            inputs = []
+            for rank in range(self.world_size):
+                gen.manual_seed(42 + rank + 1000 * step)
+                inputs.append(torch.randn(4, 16, device=self.device, generator=gen))
+            loss = model(inputs[self.rank]).sum()
+            loss.backward()
+            ref_loss = sum(ref_model(inp).sum() for inp in inputs) / self.world_size
+            ref_loss.backward()
+            for o in (optim, ref_optim):
+                o.step()
+                o.zero_grad()
+            for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
+                self.assertEqual(param.full_tensor(), ref_param)
 
 
 def _use_deterministic_reduce_scatter(model) -> None:
