@@ -9,7 +9,9 @@ the same seed and trained in one run:
   per-param             torch_fsdp_ext.fully_shard(..., group_collectives=False),
                         a group's collectives coalesced (dist._coalescing_manager)
   per-param-nocoalesce  the same, one collective after another (bench-only knob:
-                        _fsdp_collectives._COALESCING_BACKENDS = () around its steps)
+                        _fsdp_collectives._COALESCING_BACKENDS = () around its steps;
+                        a registered FSDP backend that decides coalescing for the
+                        device overrides it, and the bench warns)
   deterministic         per-param with DeterministicReduceScatter on every module
 
 Metrics per mode: median, quartiles and min/max of the step time (forward,
@@ -19,6 +21,12 @@ copy ops issued from FSDP's own code); peak bytes allocated in forward and in
 backward (the exact profiler method of test/test_fully_shard_per_param_memory.py
 on CPU, CUDA memory stats on GPU); number and bytes of collectives.
 
+Models: two Llama-like transformers (tools/demo.py's, scaled to CPU), the
+residual MLP stack of the memory test, a group of many small parameters
+(64 of 64x64), a group of few large ones (2 of 2048x2048), and a sweep of one
+group of n params at a fixed total size. The MoE model of issue 5 does not
+exist yet and is not benchmarked.
+
 Process groups: gloo (one process per rank), the fake process group (one
 process; collectives move no data, so it measures FSDP's own work: copies,
 allocations, Python and launch time) and NCCL on CUDA. On the fake process
@@ -26,7 +34,10 @@ group the bench adds "fake" to _COALESCING_BACKENDS for the coalesced modes,
 so that it runs the same code path as gloo and NCCL (the package itself does
 not coalesce on "fake").
 
-Writes OUT/bench.json (or --json PATH), OUT/bench.md and PNG plots in OUT/.
+Every rank runs one intra-op thread by default (--threads). Writes
+OUT/bench.json (or --json PATH), OUT/bench.md (also printed) and PNG plots
+(time, memory, copies, sweep) in OUT/, bench-out/ by default; --profile adds
+torch.profiler tables and memory-peak sites in OUT/profiles/.
 Results and commands for this repository's machine: docs/benchmarks.md.
 """
 
@@ -46,7 +57,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +82,7 @@ from demo import Transformer  # noqa: E402
 log = logging.getLogger("torch_fsdp_ext.bench")
 
 MiB = 1 << 20
+LOG_FORMAT = "%(asctime)s %(message)s"
 
 
 # ---------------------------------------------------------------------------
@@ -175,11 +187,15 @@ class ModelSpec:
         c = self.config
         if self.kind == "llama":
             return Transformer(c["vocab"], c["dim"], c["heads"], c["layers"])
+        if self.kind == "mlp":
+            from common_fsdp_ext import Model
+
+            return Model(c["dim"], c["hidden"], c["blocks"])
         return LinearChain(c["num_params"], c["dim"])
 
     def wrap(self, model: nn.Module) -> list[nn.Module]:
         """Modules that get their own ``fully_shard`` before the root."""
-        return list(model.blocks) if self.kind == "llama" else []
+        return list(model.blocks) if self.kind in ("llama", "mlp") else []
 
     def make_input(self, rank: int, device: torch.device) -> torch.Tensor:
         c = self.config
@@ -215,6 +231,14 @@ MODELS = {
     for spec in (
         _llama("llama-S", vocab=512, dim=128, heads=4, layers=2, batch=4, seq=32),
         _llama("llama-M", vocab=1024, dim=256, heads=8, layers=4, batch=4, seq=64),
+        ModelSpec(
+            "mlp",
+            "mlp",
+            dict(dim=256, hidden=1024, blocks=3, batch=4),
+            "residual MLP stack of test/common_fsdp_ext.py (dim 256, hidden 1024, 3 blocks, "
+            "batch 4; the model of test/test_fully_shard_per_param_memory.py): parameters "
+            "outweigh activations; fully_shard per block + root",
+        ),
         _chain("many-small", num_params=64, dim=64, batch=32),
         _chain("few-large", num_params=2, dim=2048, batch=8),
     )
@@ -291,7 +315,9 @@ class CopyAndCollectiveRecorder(TorchDispatchMode):
     A copy is FSDP-side when FSDP's own Python code (upstream's
     ``torch/distributed/fsdp/_fully_shard`` or the generated
     ``torch_fsdp_ext/_fully_shard``) is on the stack when it is dispatched;
-    other copies (the model's own, autograd's) go to ``model_copy_bytes``.
+    other copies (the model's own, autograd's) go to ``model_copy_bytes``, and
+    copies dispatched inside ``Work.wait()`` (the backend's, e.g. gloo's
+    reduce-scatter copy-out) to ``backend_copies``.
     Bytes written: the mutated arguments of an in-place or ``out=`` op, else
     the outputs; for ``all_gather_copy_in``, the copied-in slice (its first
     output), not the all-gather output that the collective fills.
@@ -300,10 +326,41 @@ class CopyAndCollectiveRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.copies: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # op -> [count, bytes]
+        self.backend_copies: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         self.model_copy_bytes = 0
         # kind -> [ops issued, tensors, bytes]
         self.collectives: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
         self._fsdp_dirs = _fsdp_dirs()
+        self._in_wait = 0
+        self._saved_waits: list[tuple[type, Any]] = []
+
+    def __enter__(self):
+        # Copies that a backend dispatches when a collective completes (gloo's
+        # reduce-scatter copies its result out in ``Work.wait()``) are the
+        # backend's, not FSDP's, though FSDP's frame is on the stack
+        from torch._C import _distributed_c10d as c10d
+
+        for cls in (c10d.Work, c10d.FakeWork):
+            wait = cls.wait
+            self._saved_waits.append((cls, wait))
+            cls.wait = self._counting_wait(wait)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, wait in self._saved_waits:
+            cls.wait = wait
+        self._saved_waits.clear()
+        return super().__exit__(*exc)
+
+    def _counting_wait(self, wait):
+        def counting_wait(work, *args, **kwargs):
+            self._in_wait += 1
+            try:
+                return wait(work, *args, **kwargs)
+            finally:
+                self._in_wait -= 1
+
+        return counting_wait
 
     def _from_fsdp(self) -> bool:
         frame = sys._getframe(2)
@@ -325,12 +382,15 @@ class CopyAndCollectiveRecorder(TorchDispatchMode):
             record[2] += _nbytes(args[index])
         elif namespace in _FSDP_NAMESPACES or (namespace == "aten" and name in _COPY_OPS):
             nbytes = self._bytes_written(func, name, args, kwargs, out)
-            if self._from_fsdp():
+            if self._in_wait:
+                record = self.backend_copies[f"{namespace}::{name}"]
+            elif self._from_fsdp():
                 record = self.copies[f"{namespace}::{name}"]
-                record[0] += 1
-                record[1] += nbytes
             else:
                 self.model_copy_bytes += nbytes
+                return out
+            record[0] += 1
+            record[1] += nbytes
         return out
 
     @staticmethod
@@ -353,6 +413,10 @@ class CopyAndCollectiveRecorder(TorchDispatchMode):
         return {
             "copy_bytes": sum(b for _, b in self.copies.values()),
             "copy_ops": {k: {"count": c, "bytes": b} for k, (c, b) in sorted(self.copies.items())},
+            "backend_copy_bytes": sum(b for _, b in self.backend_copies.values()),
+            "backend_copy_ops": {
+                k: {"count": c, "bytes": b} for k, (c, b) in sorted(self.backend_copies.items())
+            },
             "model_copy_bytes": self.model_copy_bytes,
             "collectives": {
                 "ops": sum(r[0] for r in self.collectives.values()),
@@ -382,7 +446,6 @@ class RunConfig:
     steps: int
     threads: int
     profile_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _sync(device: torch.device) -> None:
@@ -423,12 +486,37 @@ def _cuda_step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int
     return fwd, bwd
 
 
+# Kineto's start/stop lines and the CPU allocator's warning about blocks
+# allocated before profiling (expected: see ``step_peak_bytes``)
+_PROFILER_NOISE = ("USDT:", "STAGE:", "Memory block of unknown size")
+
+
+@contextlib.contextmanager
+def _quiet_profiler() -> Iterator[None]:
+    """Drops the profiler's C++ log lines from stderr; other lines pass through."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(noise in line for noise in _PROFILER_NOISE):
+                    sys.stderr.write(line)
+
+
 def _step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
     if inp.device.type == "cuda":
         return _cuda_step_peak_bytes(model, inp)
     from test_fully_shard_per_param_memory import step_peak_bytes
 
-    return step_peak_bytes(model, inp)
+    with _quiet_profiler():
+        return step_peak_bytes(model, inp)
 
 
 def _reduce_scatter_buffer_bytes(model: nn.Module) -> list[int]:
@@ -522,10 +610,19 @@ def _bench_model(
             _forward_backward(models[mode.name], inp)
             with CopyAndCollectiveRecorder() as recorder:
                 _forward_backward(models[mode.name], inp)
-        result["modes"][mode.name] = {
-            "step_time_s": _stats(times[i].tolist()),
-            **recorder.summary(),
-        }
+        summary = recorder.summary()
+        coll = summary["collectives"]
+        if mode.coalesce is False and coll["ops"] != coll["tensors"] and rank == 0:
+            # e.g. a registered FSDP backend (patch 0006) that decides coalescing
+            log.warning(
+                "%s: %s coalesced anyway (%d ops for %d tensors): the bench's knob "
+                "_COALESCING_BACKENDS did not apply",
+                spec.name,
+                mode.name,
+                coll["ops"],
+                coll["tensors"],
+            )
+        result["modes"][mode.name] = {"step_time_s": _stats(times[i].tolist()), **summary}
     if cfg.profile_dir is not None:
         for mode in modes:
             _profile(spec, mode, models[mode.name], optims[mode.name], inp, cfg, rank)
@@ -540,19 +637,76 @@ def _bench_model(
     return result
 
 
+def _peak_sites(model: nn.Module, inp: torch.Tensor) -> list[str]:
+    """Where the forward and backward peaks of ``step_peak_bytes`` happen: the
+    profiler's op stack at the allocation that reaches each peak (CPU only)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import record_function
+
+    with _quiet_profiler(), torch.profiler.profile(profile_memory=True) as prof:
+        for step in ("warmup", "measured"):
+            with record_function(f"{step}_forward"):
+                loss = model(inp).sum()
+            with record_function(f"{step}_backward"):
+                loss.backward()
+            del loss
+            for param in model.parameters():
+                param.grad = None
+    spans, allocations = {}, []
+    stack = [(e, ()) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        event, path = stack.pop()
+        stack.extend((child, (*path, event.name)) for child in event.children)
+        spans[event.name] = (event.start_time_ns, event.end_time_ns)
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            allocations.append(
+                (event.start_time_ns, fields.alloc_size, fields.total_allocated, path)
+            )
+    allocations.sort(key=lambda a: a[0])
+    first = next(a for a in allocations if a[0] >= spans["measured_forward"][0])
+    baseline = first[2] - first[1]
+    sites = []
+    for phase in ("forward", "backward"):
+        start, end = spans[f"measured_{phase}"]
+        _, size, total, path = max(
+            (a for a in allocations if start <= a[0] <= end), key=lambda a: a[2]
+        )
+        label = f"measured_{phase}"
+        if label in path:
+            where = " > ".join(path[path.index(label) + 1 :][-5:]) or label
+        else:  # e.g. in a backend's own thread (gloo runs collectives in its threads)
+            where = "another thread: " + (" > ".join(path[-5:]) or "no op")
+        sites.append(
+            f"{phase} peak: {(total - baseline) / MiB:.3f} MiB above the step's start, "
+            f"reached allocating {size / MiB:.3f} MiB in {where}"
+        )
+    return sites
+
+
 def _profile(spec, mode, model, optim, inp, cfg: RunConfig, rank: int) -> None:
-    """Writes torch.profiler's key_averages table of one training step."""
+    """Writes torch.profiler's key_averages table of one training step and,
+    on CPU, where the forward and backward memory peaks happen."""
+    sites = []
+    if inp.device.type == "cpu":
+        with _coalescing(mode):
+            sites = _peak_sites(model, inp)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if inp.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with _coalescing(mode), torch.profiler.profile(activities=activities) as prof:
+    with (
+        _quiet_profiler(),
+        _coalescing(mode),
+        torch.profiler.profile(activities=activities) as prof,
+    ):
         _train_step(model, optim, inp)
         _sync(inp.device)
     if rank == 0:
         path = Path(cfg.profile_dir) / f"{cfg.pg}-w{cfg.world_size}-{spec.name}-{mode.name}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        sort_by = "self_cuda_time_total" if inp.device.type == "cuda" else "self_cpu_time_total"
-        path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=30) + "\n")
+        sort_by = "self_device_time_total" if inp.device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=30)
+        path.write_text("".join(f"{site}\n" for site in sites) + table + "\n")
 
 
 def _run_suite(rank: int, cfg: RunConfig) -> dict[str, Any]:
@@ -600,10 +754,11 @@ def _run_suite(rank: int, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _worker(rank: int, cfg: RunConfig, store_path: str, result_path: str) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, cfg.world_size)
-    backend = cfg.pg
-    dist.init_process_group(backend, rank=rank, world_size=cfg.world_size, store=store)
+    dist.init_process_group(cfg.pg, rank=rank, world_size=cfg.world_size, store=store)
     try:
         run = _run_suite(rank, cfg)
     finally:
@@ -696,7 +851,7 @@ def _targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     targets = []
     for run in runs:
         for entry in run["models"]:
-            if not entry["model"].startswith("llama"):
+            if not entry["model"].startswith(("llama", "mlp")):
                 continue
             modes = entry["modes"]
             per_param, grouped = modes["per-param"], modes["grouped"]
@@ -766,8 +921,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Step time: median [quartiles] in ms over the timed steps of one training step "
         "(forward, backward, AdamW, zero_grad), the slowest rank per step. Peaks: bytes "
         "allocated above the step's start, in forward and in backward. Copies: bytes "
-        "written by FSDP-side copy ops in one forward+backward. Collectives: ops issued / "
-        "tensors / MiB of payload in one forward+backward.",
+        "written by FSDP-side copy ops in one forward+backward; backend copies: those the "
+        "process group dispatches when a collective completes (gloo's reduce-scatter "
+        "copy-out). Collectives: ops issued / tensors / MiB of payload (all-gather outputs, "
+        "reduce-scatter and all-to-all inputs) in one forward+backward.",
         "",
     ]
     for run in report["runs"]:
@@ -777,8 +934,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{run['timed_steps']} timed steps, load {run['loadavg_start']})",
             "",
             "| model | mode | step ms | vs upstream | vs grouped | fwd peak MiB | "
-            "bwd peak MiB | copy MiB | collectives ops / tensors / MiB |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "bwd peak MiB | copy MiB | backend copy MiB | collectives ops / tensors / MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for entry in run["models"]:
             for name, stats in entry["modes"].items():
@@ -788,7 +945,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"{_ratio(stats['time_ratio_to_upstream'])} | "
                     f"{_ratio(stats['time_ratio_to_grouped'])} | "
                     f"{_mib(stats['fwd_peak_bytes'])} | {_mib(stats['bwd_peak_bytes'])} | "
-                    f"{_mib(stats['copy_bytes'])} | "
+                    f"{_mib(stats['copy_bytes'])} | {_mib(stats['backend_copy_bytes'])} | "
                     f"{coll['ops']} / {coll['tensors']} / {_mib(coll['bytes'])} |"
                 )
         if run["sweep"]:
@@ -848,6 +1005,7 @@ def render_plots(report: dict[str, Any], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     colors = _mode_colors()
     runs = report["runs"]
@@ -897,7 +1055,9 @@ def render_plots(report: dict[str, Any], out: Path) -> list[Path]:
     plt.close(fig)
 
     # Peak memory
-    fig, axes = grid("Peak bytes allocated above the step's start (MiB): forward / backward")
+    fig, axes = grid(
+        "Peak bytes allocated above the step's start (MiB): forward (light), backward (dark)"
+    )
     for ax, entry in each_panel(axes):
         names = list(entry["modes"])
         x = range(len(names))
@@ -914,11 +1074,12 @@ def render_plots(report: dict[str, Any], out: Path) -> list[Path]:
     fig, axes = grid("FSDP-side copy bytes in one forward + backward (MiB)")
     for ax, entry in each_panel(axes):
         names = list(entry["modes"])
-        ax.bar(
+        bars = ax.bar(
             range(len(names)),
             [entry["modes"][n]["copy_bytes"] / MiB for n in names],
             color=[colors[n] for n in names],
         )
+        ax.bar_label(bars, fmt="%.3g", fontsize=6)
         ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
     paths.append(out / "copies.png")
     fig.savefig(paths[-1], dpi=110)
@@ -942,6 +1103,8 @@ def render_plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.axhline(TARGET_TIME_RATIO, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_xlabel(f"params per group ({SWEEP_TOTAL_NUMEL} elements in all)")
     ax.set_ylabel("median step time / grouped")
     ax.set_title("Per-parameter vs grouped collectives")
@@ -957,8 +1120,14 @@ def render_plots(report: dict[str, Any], out: Path) -> list[Path]:
 # ---------------------------------------------------------------------------
 
 
+# few-large is the slowest model on gloo (its gloo collectives copy 32 MiB)
+QUICK_MODELS = ["llama-S", "many-small", "few-large"]
+QUICK_GLOO_MODELS = ["llama-S", "many-small"]
+QUICK_SWEEP = [4, 64, 256]
+FULL_SWEEP = [4, 16, 64, 256]
+
+
 def _plan(args: argparse.Namespace) -> list[RunConfig]:
-    cpus = os.cpu_count() or 1
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA GPU is available")
@@ -976,26 +1145,29 @@ def _plan(args: argparse.Namespace) -> list[RunConfig]:
         "nccl": [min(torch.cuda.device_count(), 8)] if args.device == "cuda" else [],
     }
     if args.quick:
-        models, sweep, warmup, steps = ["llama-S", "many-small", "few-large"], [4, 64, 256], 1, 3
+        models, sweep, warmup, steps = QUICK_MODELS, QUICK_SWEEP, 1, 3
     else:
-        models, sweep, warmup, steps = list(MODELS), [4, 16, 64, 256], 3, args.steps
+        models, sweep, warmup, steps = list(MODELS), FULL_SWEEP, 3, args.steps
+    if args.models is not None:
+        models = args.models
+    if args.sweep is not None:
+        sweep = args.sweep
     plan = []
     for pg in pgs:
         for world_size in args.world_size or default_sizes[pg]:
             if pg == "nccl" and world_size > torch.cuda.device_count():
                 raise SystemExit(f"nccl W={world_size}: only {torch.cuda.device_count()} GPUs")
-            if args.device == "cuda":
-                threads = max(1, cpus // world_size) if pg == "nccl" else cpus
-            else:
-                threads = max(1, cpus // world_size) if pg == "gloo" else cpus
+            threads = args.threads
             # Quick mode sweeps on the fake process group only
             plan.append(
                 RunConfig(
                     pg=pg,
                     world_size=world_size,
                     device=args.device,
-                    models=models,
-                    sweep=sweep if (not args.quick or pg == "fake") else [],
+                    models=QUICK_GLOO_MODELS
+                    if args.quick and pg == "gloo" and args.models is None
+                    else models,
+                    sweep=sweep if (not args.quick or pg == "fake" or args.sweep) else [],
                     warmup=warmup,
                     steps=steps,
                     threads=threads,
@@ -1014,8 +1186,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="llama-S and the two synthetic groups, gloo W=2 and fake W=8, 1 warm-up + 3 "
-        "timed steps, sweep on fake only (under a minute on 2 cores)",
+        help="gloo W=2 (llama-S, many-small) and fake W=8 (llama-S, many-small, few-large), "
+        "1 warm-up + 3 timed steps, sweep on fake only (under a minute on 2 cores)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
@@ -1034,13 +1206,43 @@ def main(argv: list[str] | None = None) -> None:
         "--steps", type=int, default=15, help="timed steps per mode (full mode; >= 10)"
     )
     parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        help=f"models to run (default: all; --quick: {' '.join(QUICK_MODELS)})",
+    )
+    parser.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        help="params per group of the sweep, none to skip it (default: "
+        f"{' '.join(map(str, FULL_SWEEP))}; --quick: {' '.join(map(str, QUICK_SWEEP))}, "
+        "on fake only)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads per rank (default 1: on a loaded machine, OpenMP threads "
+        "that spin-wait for a busy core make step times erratic)",
+    )
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: render OUT/bench.md and the plots again from a bench JSON",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also write torch.profiler key_averages of one step per mode to OUT/profiles/",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot is not None:
+        _write_report(json.loads(args.replot.read_text()), args.out)
+        return
     json_path = args.json or args.out / "bench.json"
     command = " ".join(["tools/bench.py", *(sys.argv[1:] if argv is None else argv)])
 
@@ -1067,11 +1269,16 @@ def main(argv: list[str] | None = None) -> None:
 
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1) + "\n")
+    log.info("wrote %s", json_path)
+    _write_report(report, args.out)
+
+
+def _write_report(report: dict[str, Any], out: Path) -> None:
     markdown = render_markdown(report)
-    (args.out / "bench.md").write_text(markdown)
-    plots = render_plots(report, args.out)
+    (out / "bench.md").write_text(markdown)
+    plots = render_plots(report, out)
     print(markdown)
-    log.info("wrote %s, %s, %s", json_path, args.out / "bench.md", ", ".join(map(str, plots)))
+    log.info("wrote %s, %s", out / "bench.md", ", ".join(map(str, plots)))
 
 
 if __name__ == "__main__":
