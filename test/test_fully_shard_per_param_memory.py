@@ -31,6 +31,21 @@ def _walk(events):
         yield event
 
 
+def profile_step(model: nn.Module, inp: torch.Tensor) -> torch.profiler.profile:
+    """Profiles memory over a warm-up step (lazy init) and one measured step,
+    marked ``{warmup,measured}_{forward,backward}`` with ``record_function``."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        for step in ("warmup", "measured"):
+            with record_function(f"{step}_forward"):
+                loss = model(inp).sum()
+            with record_function(f"{step}_backward"):
+                loss.backward()
+            del loss
+            for param in model.parameters():
+                param.grad = None
+    return prof
+
+
 def step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
     """Runs a warm-up step (lazy init), then one measured forward and backward.
 
@@ -41,15 +56,7 @@ def step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
     running total carries over from earlier profiler sessions, hence the
     baseline taken from the measured step's first allocation.
     """
-    with torch.profiler.profile(profile_memory=True) as prof:
-        for step in ("warmup", "measured"):
-            with record_function(f"{step}_forward"):
-                loss = model(inp).sum()
-            with record_function(f"{step}_backward"):
-                loss.backward()
-            del loss
-            for param in model.parameters():
-                param.grad = None
+    prof = profile_step(model, inp)
     events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     spans = {e.name: (e.start_time_ns, e.end_time_ns) for e in events}
     allocations = sorted(

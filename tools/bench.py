@@ -640,18 +640,11 @@ def _bench_model(
 def _peak_sites(model: nn.Module, inp: torch.Tensor) -> list[str]:
     """Where the forward and backward peaks of ``step_peak_bytes`` happen: the
     profiler's op stack at the allocation that reaches each peak (CPU only)."""
+    from test_fully_shard_per_param_memory import profile_step
     from torch._C._profiler import _EventType
-    from torch.profiler import record_function
 
-    with _quiet_profiler(), torch.profiler.profile(profile_memory=True) as prof:
-        for step in ("warmup", "measured"):
-            with record_function(f"{step}_forward"):
-                loss = model(inp).sum()
-            with record_function(f"{step}_backward"):
-                loss.backward()
-            del loss
-            for param in model.parameters():
-                param.grad = None
+    with _quiet_profiler():
+        prof = profile_step(model, inp)
     spans, allocations = {}, []
     stack = [(e, ()) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
