@@ -185,6 +185,17 @@ EXT = SimpleNamespace(
 )
 
 
+def on_fsdp_modules(fn: Callable[[nn.Module], Any]) -> Callable[[nn.Module], None]:
+    """An ``after_shard`` that calls ``fn`` on every FSDP module of the model."""
+
+    def apply(model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, (EXT.FSDPModule, UPSTREAM.FSDPModule)):
+                fn(module)
+
+    return apply
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()

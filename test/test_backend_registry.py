@@ -10,7 +10,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common_fsdp_ext import EXT, UPSTREAM, FSDPExtTestMultiProcess, ParityConfig, ParityMixin
+from common_fsdp_ext import (
+    EXT,
+    UPSTREAM,
+    FSDPExtTestMultiProcess,
+    ParityConfig,
+    ParityMixin,
+    on_fsdp_modules,
+)
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
@@ -23,12 +30,6 @@ import fsdp_backend_example_tpu  # noqa: E402
 from test_fully_shard_backend import _registered  # noqa: E402
 
 
-def _on_fsdp_modules(model, fn) -> None:
-    for module in model.modules():
-        if isinstance(module, EXT.FSDPModule):
-            fn(module)
-
-
 class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
     def test_divide_factor_on_gloo_equals_force_sum(self):
         """Tests that ``set_gradient_divide_factor`` works on CPU/gloo, which
@@ -37,16 +38,14 @@ class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
         for group_collectives in (True, False):
             config = ParityConfig(
                 fsdp_kwargs=lambda impl, gc=group_collectives: {"group_collectives": gc},
-                after_shard=lambda model: _on_fsdp_modules(
-                    model, lambda m: m.set_gradient_divide_factor(3.0)
-                ),
+                after_shard=on_fsdp_modules(lambda m: m.set_gradient_divide_factor(3.0)),
             )
             self.check_parity(
                 config,
                 (EXT, {}),
                 (EXT, {}),
-                variant_after_shard=lambda model: _on_fsdp_modules(
-                    model, lambda m: m.set_force_sum_reduction_for_comms(True)
+                variant_after_shard=on_fsdp_modules(
+                    lambda m: m.set_force_sum_reduction_for_comms(True)
                 ),
             )
 

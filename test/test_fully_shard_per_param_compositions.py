@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_fsdp_ext import EXT, Block, Model, ParityConfig, ParityMixin
+from common_fsdp_ext import EXT, Block, Model, ParityConfig, ParityMixin, on_fsdp_modules
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread
 from torch.testing._internal.common_utils import run_tests
@@ -54,14 +54,6 @@ class ModelWithUnusedParams(Model):
         self.blocks = nn.ModuleList(BlockWithUnusedParam(dim, hidden) for _ in range(2))
 
 
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, EXT.FSDPModule)]
-
-
-def _set_on_fsdp_modules(fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
-    return lambda model: [fn(m) for m in _fsdp_modules(model)] and None
-
-
 def _explicit_prefetching(model: nn.Module) -> None:
     blocks = list(model.blocks)
     for i, block in enumerate(blocks[:-1]):
@@ -87,7 +79,7 @@ class TestFullyShardPerParamCompositions(ParityMixin, FSDPTestMultiThread):
                     }
                 ),
                 "gradient_divide_factor_force_sum": lambda: ParityConfig(
-                    after_shard=_set_on_fsdp_modules(
+                    after_shard=on_fsdp_modules(
                         lambda m: (
                             m.set_gradient_divide_factor(3.0),
                             m.set_force_sum_reduction_for_comms(True),
@@ -112,7 +104,7 @@ class TestFullyShardPerParamCompositions(ParityMixin, FSDPTestMultiThread):
                     fsdp_kwargs=lambda impl: {"reshard_after_forward": False}
                 ),
                 "custom_comms": lambda: ParityConfig(
-                    after_shard=_set_on_fsdp_modules(
+                    after_shard=on_fsdp_modules(
                         lambda m: (
                             m.set_custom_all_gather(PlainAllGather()),
                             m.set_custom_reduce_scatter(PlainReduceScatter()),

@@ -10,7 +10,14 @@ so the default comms give identical bits (DESIGN.md, "Numerics"). At world size
 import copy
 
 import torch
-from common_fsdp_ext import EXT, FSDPExtTestMultiProcess, Model, ParityConfig, ParityMixin
+from common_fsdp_ext import (
+    EXT,
+    FSDPExtTestMultiProcess,
+    Model,
+    ParityConfig,
+    ParityMixin,
+    on_fsdp_modules,
+)
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import DeterministicReduceScatter
@@ -59,13 +66,14 @@ class TestFullyShardPerParamParity(ParityMixin, FSDPExtTestMultiProcess):
                 self.assertEqual(param.full_tensor(), ref_param)
 
 
-def _use_deterministic_reduce_scatter(model) -> None:
-    for module in model.modules():
-        if isinstance(module, EXT.FSDPModule):
-            # Set per group: set_custom_reduce_scatter refuses modules with
-            # several groups (per-parameter meshes), but this comm is stateless
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                group._reduce_scatter_comm = DeterministicReduceScatter()
+def _set_deterministic_reduce_scatter(module) -> None:
+    # Set per group: set_custom_reduce_scatter refuses modules with several
+    # groups (per-parameter meshes), but this comm is stateless
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        group._reduce_scatter_comm = DeterministicReduceScatter()
+
+
+_use_deterministic_reduce_scatter = on_fsdp_modules(_set_deterministic_reduce_scatter)
 
 
 class TestFullyShardPerParamParityDeterministicW4(ParityMixin, FSDPExtTestMultiProcess):
