@@ -1,0 +1,215 @@
+# Owner(s): ["oncall: distributed"]
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.testing._internal.common_fsdp import FSDPTestMultiThread
+from torch.testing._internal.common_utils import run_tests
+
+from torch_fsdp_ext import fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+
+class _Experts(nn.Module):
+    """Grouped expert weights ``(num_experts, dim, dim)``, optionally an EP DTensor."""
+
+    def __init__(self, num_experts: int, dim: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(num_experts, dim, dim) / dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w.to_local() if isinstance(self.w, DTensor) else self.w
+        return x + torch.einsum("bd,edh->bh", x, w)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dense = nn.Linear(dim, dim)
+        self.experts = _Experts(4, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(self.dense(x))
+
+
+def _is_expert(param: nn.Parameter) -> bool:
+    return param.ndim == 3
+
+
+class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _train(self, model: nn.Module, steps: int = 2) -> list[torch.Tensor]:
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        # The threads of the threaded process group share the global RNG
+        gen = torch.Generator()
+        for step in range(steps):
+            gen.manual_seed(42 + self.rank + 1000 * step)
+            loss = model(torch.randn(2, 8, generator=gen)).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    def test_device_mesh_groups_params_per_mesh(self):
+        """Tests that ``ShardPlacementResult(mesh=...)`` built per call gives one
+        param group per mesh: FSDP on a 1D mesh, HSDP on a 2D mesh."""
+        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        dp_mesh = init_device_mesh("cpu", (self.world_size,))
+        for expert_mesh, expected_placements in (
+            (world_mesh["efsdp"], (Shard(1),)),
+            (world_mesh, (Replicate(), Shard(1))),
+        ):
+            torch.manual_seed(42)
+            model = _MoEBlock(8)
+            fully_shard(
+                model,
+                mesh=dp_mesh,
+                shard_placement_fn=lambda p, m=expert_mesh: (
+                    ShardPlacementResult(Shard(1), mesh=m) if _is_expert(p) else None
+                ),
+            )
+            param_groups = model._get_fsdp_state()._fsdp_param_groups
+            self.assertEqual(len(param_groups), 2)
+            self.assertEqual(model.experts.w.device_mesh, expert_mesh)
+            self.assertEqual(model.experts.w.placements, expected_placements)
+            self.assertEqual(model.dense.weight.device_mesh, dp_mesh)
+            self._train(model)
+
+    def test_fsdp_mesh_info_on_2d_mesh_shards_on_sub_mesh(self):
+        """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
+        optimizer step (it used to fail on DTensor in-place ops) and is bitwise
+        equal to passing that dim's 1D sub-mesh, in both collective modes."""
+        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        dp_mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh_info_2d = FSDPMeshInfo(world_mesh, shard_mesh_dim=0)
+        torch.manual_seed(42)
+        base = _MoEBlock(8)
+        for group_collectives in (True, False):
+            results = []
+            for expert_placement in (
+                ShardPlacementResult(Shard(1), mesh_info_2d),
+                ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
+            ):
+                model = copy.deepcopy(base)
+                fully_shard(
+                    model,
+                    mesh=dp_mesh,
+                    group_collectives=group_collectives,
+                    shard_placement_fn=lambda p, r=expert_placement: r if _is_expert(p) else None,
+                )
+                self.assertEqual(model.experts.w.device_mesh, world_mesh["efsdp"])
+                results.append((self._train(model), model.experts.w.to_local()))
+            (losses, expert_shard), (ref_losses, ref_expert_shard) = results
+            for loss, ref_loss in zip(losses, ref_losses, strict=True):
+                self.assertTrue(torch.equal(loss, ref_loss))
+            self.assertTrue(torch.equal(expert_shard, ref_expert_shard))
+
+    def test_ep_dtensor_experts_sharded_on_efsdp_sub_mesh(self):
+        """Tests that expert params that are already ``Shard(0)`` DTensors on the
+        "ep" dim get FSDP's ``Shard(1)`` on the "efsdp" dim of the same mesh and
+        that both collective modes train them to the same bits."""
+        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        dp_mesh = world_mesh["efsdp", "ep"]._flatten("dp")
+        torch.manual_seed(42)
+        base = _MoEBlock(8)
+        states = []
+        for group_collectives in (True, False):
+            model = copy.deepcopy(base)
+            model.experts.w = nn.Parameter(
+                distribute_tensor(model.experts.w.detach(), world_mesh["ep"], [Shard(0)])
+            )
+            fully_shard(
+                model,
+                mesh=dp_mesh,
+                group_collectives=group_collectives,
+                shard_placement_fn=lambda p: (
+                    ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"])
+                    if _is_expert(p)
+                    else None
+                ),
+            )
+            self.assertEqual(model.experts.w.device_mesh, world_mesh)
+            self.assertEqual(model.experts.w.placements, (Shard(1), Shard(0)))
+            losses = self._train(model)
+            states.append((losses, [p.to_local() for p in model.parameters()]))
+        (losses, params), (ref_losses, ref_params) = states
+        for loss, ref_loss in zip(losses, ref_losses, strict=True):
+            self.assertTrue(torch.equal(loss, ref_loss))
+        for param, ref_param in zip(params, ref_params, strict=True):
+            self.assertTrue(torch.equal(param, ref_param))
+
+
+class TestFullyShardShardPlacementResultValidation(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _shard(self, shard_placement_fn) -> None:
+        torch.manual_seed(42)
+        model = _MoEBlock(8)
+        model.dense = nn.Linear(6, 6)
+        model.experts = _Experts(4, 6)
+        fully_shard(model, shard_placement_fn=shard_placement_fn)
+
+    def test_shard_placement_result_arguments(self):
+        """Tests that ``ShardPlacementResult`` takes exactly one of ``mesh`` and
+        ``mesh_info`` and only 1D or named 2D meshes."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        with self.assertRaisesRegex(TypeError, "pass it as .*mesh="):
+            ShardPlacementResult(Shard(0), mesh)
+        with self.assertRaisesRegex(ValueError, "exactly one of mesh and mesh_info"):
+            ShardPlacementResult(Shard(0))
+        with self.assertRaisesRegex(ValueError, "exactly one of mesh and mesh_info"):
+            ShardPlacementResult(Shard(0), FSDPMeshInfo(mesh, shard_mesh_dim=0), mesh=mesh)
+        mesh_3d = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+        with self.assertRaisesRegex(ValueError, "1D mesh .* or a 2D mesh"):
+            ShardPlacementResult(Shard(0), mesh=mesh_3d)
+
+    def test_rejects_mesh_of_other_device_type(self):
+        """Tests that a per-param mesh on another device type fails at
+        ``fully_shard`` time."""
+        pg = dist.new_group(list(range(self.world_size)))
+        meta_mesh = DeviceMesh.from_group(pg, "meta")
+        with self.assertRaisesRegex(ValueError, "returned a meta mesh .* manages cpu"):
+            self._shard(lambda p: ShardPlacementResult(Shard(0), mesh=meta_mesh))
+
+    def test_rejects_placement_dim_out_of_range(self):
+        """Tests that a shard dim the parameter does not have fails with a
+        ``ValueError`` naming the parameter, for positive and negative dims."""
+        for placement in (Shard(3), Shard(-4)):
+            with self.assertRaisesRegex(
+                ValueError, f"'w' of shape \\(4, 6, 6\\).*no dim {placement.dim}"
+            ):
+                self._shard(lambda p, s=placement: s if _is_expert(p) else None)
+
+    def test_rejects_uneven_shard_on_nonzero_dim(self):
+        """Tests that ``Shard(1)`` of a dim not divisible by the mesh size fails
+        and names the parameter and the fix."""
+        with self.assertRaisesRegex(
+            NotImplementedError, "'weight'; shard it on a dim divisible by 4"
+        ):
+            self._shard(lambda p: Shard(1) if p.ndim == 2 else None)
+
+    def test_rejects_disagreeing_meshes_on_one_process_group(self):
+        """Tests that two meshes over the same process group that are not equal
+        (here: different dim names) fail instead of silently picking one."""
+        pg = dist.new_group(list(range(self.world_size)))
+        mesh_a = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("a",))
+        mesh_b = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("b",))
+        with self.assertRaisesRegex(ValueError, "share a process group must use the same mesh"):
+            self._shard(
+                lambda p: ShardPlacementResult(Shard(0), mesh=mesh_a if _is_expert(p) else mesh_b)
+            )
+
+
+if __name__ == "__main__":
+    run_tests()
