@@ -9,6 +9,9 @@ from ._vendor import ensure_vendored as _ensure_vendored
 
 _ensure_vendored()
 
+# Dynamo must skip the vendored hooks as it skips torch's own; see _dynamo_compat
+from . import _dynamo_compat  # noqa: E402, F401
+from ._clip_grad import clip_grad_norm_  # noqa: E402
 from ._fully_shard import (  # noqa: E402
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -34,6 +37,7 @@ from ._fully_shard._fsdp_common import (  # noqa: E402
 )
 
 __all__ = [
+    "clip_grad_norm_",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "DeterministicReduceScatter",
