@@ -17,8 +17,8 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
 
     def test_exports_every_upstream_fsdp2_name(self):
         """Tests that every FSDP2 name of ``torch.distributed.fsdp`` is exported,
-        plus ``ShardPlacementResult``, ``FSDPMeshInfo``, ``HSDPMeshInfo`` and
-        ``DeterministicReduceScatter`` and the backend registry."""
+        plus ``ShardPlacementResult``, ``FSDPMeshInfo``, ``HSDPMeshInfo``,
+        ``DeterministicReduceScatter``, the backend registry and ``clip_grad_norm_``."""
         fsdp2_names = {
             name
             for name in upstream_fsdp.__all__
@@ -35,6 +35,7 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
             "get_fsdp_backend",
             "register_fsdp_backend",
             "unregister_fsdp_backend",
+            "clip_grad_norm_",
         }
         self.assertEqual(set(torch_fsdp_ext.__all__), fsdp2_names | extra)
         for name in torch_fsdp_ext.__all__:
