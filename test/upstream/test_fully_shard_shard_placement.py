@@ -1,6 +1,7 @@
 # Owner(s): ["oncall: distributed"]
 
 import copy
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,8 @@ class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
 
     def test_device_mesh_groups_params_per_mesh(self):
         """Tests that ``ShardPlacementResult(mesh=...)`` built per call gives one
-        param group per mesh: FSDP on a 1D mesh, HSDP on a 2D mesh."""
+        param group per mesh, FSDP on a 1D mesh and HSDP on a 2D mesh, and that
+        both collective modes train it to the same bits."""
         world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
         dp_mesh = init_device_mesh("cpu", (self.world_size,))
         for expert_mesh, expected_placements in (
@@ -69,20 +71,32 @@ class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
             (world_mesh, (Replicate(), Shard(1))),
         ):
             torch.manual_seed(42)
-            model = _MoEBlock(8)
-            fully_shard(
-                model,
-                mesh=dp_mesh,
-                shard_placement_fn=lambda p, m=expert_mesh: (
-                    ShardPlacementResult(Shard(1), mesh=m) if _is_expert(p) else None
-                ),
-            )
-            param_groups = model._get_fsdp_state()._fsdp_param_groups
-            self.assertEqual(len(param_groups), 2)
-            self.assertEqual(model.experts.w.device_mesh, expert_mesh)
-            self.assertEqual(model.experts.w.placements, expected_placements)
-            self.assertEqual(model.dense.weight.device_mesh, dp_mesh)
-            self._train(model)
+            base = _MoEBlock(8)
+            states = []
+            for group_collectives in (True, False):
+                model = copy.deepcopy(base)
+                fully_shard(
+                    model,
+                    mesh=dp_mesh,
+                    group_collectives=group_collectives,
+                    shard_placement_fn=lambda p, m=expert_mesh: (
+                        ShardPlacementResult(Shard(1), mesh=m) if _is_expert(p) else None
+                    ),
+                )
+                param_groups = model._get_fsdp_state()._fsdp_param_groups
+                self.assertEqual(len(param_groups), 2)
+                self.assertEqual(model.experts.w.device_mesh, expert_mesh)
+                self.assertEqual(model.experts.w.placements, expected_placements)
+                self.assertEqual(model.dense.weight.device_mesh, dp_mesh)
+                states.append((self._train(model), [p.to_local() for p in model.parameters()]))
+            self._assert_states_equal(*states)
+
+    def _assert_states_equal(self, state, ref_state) -> None:
+        """Compares (losses, tensors) pairs with ``torch.equal``."""
+        for tensor, ref_tensor in zip(
+            itertools.chain(*state), itertools.chain(*ref_state), strict=True
+        ):
+            self.assertTrue(torch.equal(tensor, ref_tensor))
 
     def test_fsdp_mesh_info_on_2d_mesh_shards_on_sub_mesh(self):
         """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
@@ -107,11 +121,8 @@ class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
                     shard_placement_fn=lambda p, r=expert_placement: r if _is_expert(p) else None,
                 )
                 self.assertEqual(model.experts.w.device_mesh, world_mesh["efsdp"])
-                results.append((self._train(model), model.experts.w.to_local()))
-            (losses, expert_shard), (ref_losses, ref_expert_shard) = results
-            for loss, ref_loss in zip(losses, ref_losses, strict=True):
-                self.assertTrue(torch.equal(loss, ref_loss))
-            self.assertTrue(torch.equal(expert_shard, ref_expert_shard))
+                results.append((self._train(model), [model.experts.w.to_local()]))
+            self._assert_states_equal(*results)
 
     def test_ep_dtensor_experts_sharded_on_efsdp_sub_mesh(self):
         """Tests that expert params that are already ``Shard(0)`` DTensors on the
@@ -139,13 +150,8 @@ class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
             )
             self.assertEqual(model.experts.w.device_mesh, world_mesh)
             self.assertEqual(model.experts.w.placements, (Shard(1), Shard(0)))
-            losses = self._train(model)
-            states.append((losses, [p.to_local() for p in model.parameters()]))
-        (losses, params), (ref_losses, ref_params) = states
-        for loss, ref_loss in zip(losses, ref_losses, strict=True):
-            self.assertTrue(torch.equal(loss, ref_loss))
-        for param, ref_param in zip(params, ref_params, strict=True):
-            self.assertTrue(torch.equal(param, ref_param))
+            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
+        self._assert_states_equal(*states)
 
 
 class TestFullyShardShardPlacementResultValidation(FSDPTestMultiThread):
