@@ -12,6 +12,8 @@ from torch.testing._internal.common_fsdp import FSDPTestMultiThread
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
+from torch_fsdp_ext._fully_shard._fsdp_collectives import DeterministicReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 
 
@@ -41,7 +43,7 @@ def _is_expert(param: nn.Parameter) -> bool:
     return param.ndim == 3
 
 
-class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
+class _MoEMeshTestCase(FSDPTestMultiThread):
     @property
     def world_size(self) -> int:
         return 4
@@ -60,6 +62,15 @@ class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
             losses.append(loss.detach())
         return losses
 
+    def _assert_states_equal(self, state, ref_state) -> None:
+        """Compares (losses, tensors) pairs with ``torch.equal``."""
+        for tensor, ref_tensor in zip(
+            itertools.chain(*state), itertools.chain(*ref_state), strict=True
+        ):
+            self.assertTrue(torch.equal(tensor, ref_tensor))
+
+
+class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
     def test_device_mesh_groups_params_per_mesh(self):
         """Tests that ``ShardPlacementResult(mesh=...)`` built per call gives one
         param group per mesh, FSDP on a 1D mesh and HSDP on a 2D mesh, and that
@@ -90,13 +101,6 @@ class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
                 self.assertEqual(model.dense.weight.device_mesh, dp_mesh)
                 states.append((self._train(model), [p.to_local() for p in model.parameters()]))
             self._assert_states_equal(*states)
-
-    def _assert_states_equal(self, state, ref_state) -> None:
-        """Compares (losses, tensors) pairs with ``torch.equal``."""
-        for tensor, ref_tensor in zip(
-            itertools.chain(*state), itertools.chain(*ref_state), strict=True
-        ):
-            self.assertTrue(torch.equal(tensor, ref_tensor))
 
     def test_fsdp_mesh_info_on_2d_mesh_shards_on_sub_mesh(self):
         """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
@@ -154,11 +158,54 @@ class TestFullyShardShardPlacementResultMesh(FSDPTestMultiThread):
         self._assert_states_equal(*states)
 
 
-class TestFullyShardShardPlacementResultValidation(FSDPTestMultiThread):
-    @property
-    def world_size(self) -> int:
-        return 4
+class _GroupSizeRecordingAllGather(AllGather):
+    def __init__(self):
+        self.group_sizes: list[int] = []
 
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.group_sizes.append(group.size())
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
+class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
+    def test_custom_comms_serve_every_mesh_group(self):
+        """Tests that ``set_custom_all_gather`` and ``set_custom_reduce_scatter``
+        on a module with experts on another mesh use the comm for both param
+        groups, each with its own process group, and that with
+        ``DeterministicReduceScatter`` both collective modes give the same bits."""
+        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        dp_mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(42)
+        base = _MoEBlock(8)
+        states = []
+        for group_collectives in (True, False):
+            model = copy.deepcopy(base)
+            fully_shard(
+                model,
+                mesh=dp_mesh,
+                group_collectives=group_collectives,
+                shard_placement_fn=lambda p: (
+                    ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"])
+                    if _is_expert(p)
+                    else None
+                ),
+            )
+            all_gather = _GroupSizeRecordingAllGather()
+            reduce_scatter = DeterministicReduceScatter()
+            model.set_custom_all_gather(all_gather)
+            model.set_custom_reduce_scatter(reduce_scatter)
+            for param_group in model._get_fsdp_state()._fsdp_param_groups:
+                self.assertIs(param_group._all_gather_comm, all_gather)
+                self.assertIs(param_group._reduce_scatter_comm, reduce_scatter)
+            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
+            self.assertEqual(set(all_gather.group_sizes), {4, 2})
+        self._assert_states_equal(*states)
+
+
+class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
     def _shard(self, shard_placement_fn) -> None:
         torch.manual_seed(42)
         model = _MoEBlock(8)
