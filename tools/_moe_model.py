@@ -1,0 +1,365 @@
+"""A tiny DeepSeek-V3-like MoE transformer with expert parallelism, sharded
+three ways with FSDP2; shared by ``tools/moe_demo.py`` and ``test/test_fully_shard_moe.py``.
+
+It lives in ``tools/`` (a private module, so ``tools/*.py --help`` skips it)
+because the demo is a user-facing script that must not import from ``test/``;
+the tests put ``tools/`` on ``sys.path``.
+
+Layout, as torchtitan builds it: a world mesh with dims ``("efsdp", "ep")``.
+Routed experts are 3-D grouped parameters, DTensors ``Shard(0)`` on the "ep"
+sub-mesh (each ep rank holds ``num_experts / ep`` experts), and FSDP shards
+them with ``Shard(1)`` on the "efsdp" sub-mesh. Every other parameter is a
+plain tensor that FSDP shards with ``Shard(0)`` on the flattened "dp" mesh
+(all ranks).
+
+The three wrappings (:data:`MODES`) of each block, then the root:
+
+- ``old``: upstream ``fully_shard(block.moe.experts, mesh=efsdp, Shard(1))``,
+  then ``fully_shard(block, mesh=dp)``: two FSDP modules per block.
+- ``grouped``: ``torch_fsdp_ext.fully_shard(block, mesh=dp, shard_placement_fn=...)``
+  where the function puts expert parameters on the efsdp mesh
+  (``ShardPlacementResult``): one FSDP module, two parameter groups.
+- ``per-param``: ``grouped`` with ``group_collectives=False``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.fsdp as upstream_fsdp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_fsdp_ext
+
+MODES = ("old", "grouped", "per-param")
+
+
+@dataclass
+class MoEArgs:
+    vocab: int = 64
+    dim: int = 32
+    heads: int = 4
+    layers: int = 2
+    num_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 32
+    shared_hidden: int = 32
+    score_func: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).unbind(2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: the shared expert."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.top_k = top_k
+        self.score_func = score_func
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: (tokens, dim) -> routing weights and expert indices, (tokens, top_k)."""
+        logits = self.gate(x)
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        weights, indices = scores.topk(self.top_k, dim=-1)
+        if self.score_func == "sigmoid":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, indices
+
+
+class GroupedExperts(nn.Module):
+    """Routed SwiGLU experts as 3-D parameters, one slice per expert.
+
+    With expert parallelism (:func:`apply_expert_parallel`) the parameters are
+    DTensors ``Shard(0)`` on the ep mesh. The forward all-gathers every ep
+    rank's tokens, applies the local experts to the tokens routed to them and
+    reduce-scatters the weighted outputs back, with autograd-aware functional
+    collectives.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts, dim, hidden) * dim**-0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, hidden, dim) * hidden**-0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, dim, hidden) * dim**-0.5)
+        self.ep_mesh: DeviceMesh | None = None
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        if self.ep_mesh is None or self.ep_mesh.size() == 1:
+            return self._local_experts(x, weights, indices)
+        group = self.ep_mesh
+        x = funcol.all_gather_single_autograd(x, 0, group)
+        weights = funcol.all_gather_single_autograd(weights, 0, group)
+        indices = funcol.all_gather_single(indices, 0, group)
+        out = self._local_experts(x, weights, indices)
+        return funcol.reduce_scatter_single_autograd(out, "sum", 0, group)
+
+    def _local_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        # FSDP's unsharded parameters are DTensors on the ep mesh: compute on
+        # this rank's experts
+        w1, w2, w3 = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)
+        )
+        num_local = w1.shape[0]
+        first = 0 if self.ep_mesh is None else self.ep_mesh.get_local_rank() * num_local
+        out = torch.zeros_like(x)
+        for e in range(num_local):
+            tokens, slots = (indices == first + e).nonzero(as_tuple=True)
+            h = x[tokens]
+            y = (F.silu(h @ w1[e]) * (h @ w3[e])) @ w2[e]
+            out = out.index_add(0, tokens, y * weights[tokens, slots, None])
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.router = TopKRouter(args.dim, args.num_experts, args.top_k, args.score_func)
+        self.experts = GroupedExperts(args.dim, args.expert_hidden, args.num_experts)
+        self.shared_expert = FeedForward(args.dim, args.shared_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = self.router(x)
+        out = self.experts(x, weights, indices) + self.shared_expert(x)
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(args.dim)
+        self.attn = Attention(args.dim, args.heads)
+        self.moe_norm = nn.RMSNorm(args.dim)
+        self.moe = MoE(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.moe(self.moe_norm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.embed = nn.Embedding(args.vocab, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.layers))
+        self.norm = nn.RMSNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy on ``tokens`` of shape (batch, seq + 1)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+@dataclass
+class MoEMeshes:
+    world: DeviceMesh  # ("efsdp", "ep")
+    dp: DeviceMesh  # all ranks, flattened: dense parameters
+    efsdp: DeviceMesh  # expert parameters' FSDP dim
+    ep: DeviceMesh  # expert parallel dim
+
+    def name_of(self, group: dist.ProcessGroup) -> str | None:
+        for name in ("dp", "efsdp", "ep"):
+            if getattr(self, name).get_group().group_name == group.group_name:
+                return name
+        return None
+
+
+def build_meshes(device_type: str, efsdp: int, ep: int) -> MoEMeshes:
+    world = init_device_mesh(device_type, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    return MoEMeshes(world, world["efsdp", "ep"]._flatten("dp"), world["efsdp"], world["ep"])
+
+
+def apply_expert_parallel(model: MoETransformer, meshes: MoEMeshes) -> None:
+    """Make every routed expert parameter a DTensor ``Shard(0)`` on the ep mesh.
+
+    Every rank built the model from the same seed, so each keeps its own
+    experts' slice of the full parameter.
+    """
+    ep = meshes.ep
+    for layer in model.layers:
+        experts = layer.moe.experts
+        for name, param in list(experts.named_parameters()):
+            local = param.detach().chunk(ep.size(), dim=0)[ep.get_local_rank()].clone()
+            dtensor = DTensor.from_local(local, ep, [Shard(0)], run_check=False)
+            experts.register_parameter(name, nn.Parameter(dtensor))
+        experts.ep_mesh = ep
+
+
+def is_expert_param(param: nn.Parameter) -> bool:
+    # Only routed experts are DTensors before fully_shard (apply_expert_parallel)
+    return isinstance(param, DTensor)
+
+
+def expert_placement(meshes: MoEMeshes) -> torch_fsdp_ext.ShardPlacementResult:
+    """Where expert parameters go: ``Shard(1)`` on the efsdp mesh.
+
+    The one place that builds the placement; all expert parameters share it.
+    """
+    info = torch_fsdp_ext.FSDPMeshInfo(meshes.efsdp, shard_mesh_dim=0)
+    return torch_fsdp_ext.ShardPlacementResult(Shard(1), info)
+
+
+def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETransformer:
+    """Shard every block, then the root, the way ``mode`` (one of :data:`MODES`) says."""
+    if mode == "old":
+        for layer in model.layers:
+            upstream_fsdp.fully_shard(
+                layer.moe.experts, mesh=meshes.efsdp, shard_placement_fn=lambda p: Shard(1)
+            )
+            upstream_fsdp.fully_shard(layer, mesh=meshes.dp)
+        return upstream_fsdp.fully_shard(model, mesh=meshes.dp)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} but got {mode!r}")
+    placement = expert_placement(meshes)
+    kwargs: dict[str, Any] = {
+        "mesh": meshes.dp,
+        "shard_placement_fn": lambda p: placement if is_expert_param(p) else None,
+        "group_collectives": mode == "grouped",
+    }
+    for layer in model.layers:
+        torch_fsdp_ext.fully_shard(layer, **kwargs)
+    return torch_fsdp_ext.fully_shard(model, **kwargs)
+
+
+def build_model(args: MoEArgs, mode: str | None, meshes: MoEMeshes) -> MoETransformer:
+    """The model from seed 42 with expert parallelism, sharded as ``mode`` (or not if None)."""
+    torch.manual_seed(42)
+    model = MoETransformer(args)
+    apply_expert_parallel(model, meshes)
+    return model if mode is None else shard_model(model, mode, meshes)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def set_deterministic_reduce_scatter(model: nn.Module) -> None:
+    """Give every FSDP parameter group ``DeterministicReduceScatter``.
+
+    Set per group: ``set_custom_reduce_scatter`` refuses modules with several
+    groups (per-parameter meshes), but this comm is stateless and fits every mesh.
+    """
+    for module in model.modules():
+        if isinstance(module, upstream_fsdp.FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                group._reduce_scatter_comm = torch_fsdp_ext.DeterministicReduceScatter()
+
+
+class FSDPCollectiveTrace(TorchDispatchMode):
+    """Records FSDP's all-gathers and reduce-scatters at the c10d level, in order.
+
+    Each entry is ``(phase, op, owner, kind, numels)``: ``owner`` is the block
+    (``"block1"``) or ``"root"`` from the FSDP ``record_function`` label that
+    encloses the collective, ``kind`` is ``"dense"`` (dp mesh) or ``"experts"``
+    (efsdp mesh), and ``numels`` the input numel of each tensor, several for a
+    coalesced op. Seen at dispatch, so it works for upstream FSDP and the
+    vendored copy alike; collectives on other groups (ep) are skipped.
+    """
+
+    _OPS = {
+        "_allgather_base_": "all_gather",
+        "allgather_into_tensor_coalesced_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+        "alltoall_base_": "all_to_all",
+    }
+
+    def __init__(self, meshes: MoEMeshes):
+        super().__init__()
+        self.meshes = meshes
+        self.entries: list[tuple[str, str, str, str, list[int]]] = []
+        self._labels: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).split(".")[-1]
+        if func.namespace == "profiler" and name == "_record_function_enter_new":
+            self._labels.append(args[0])
+        elif func.namespace == "profiler" and name == "_record_function_exit":
+            self._labels.pop()
+        elif func.namespace == "c10d" and name in self._OPS:
+            # The c10d ops take the group boxed as a ScriptObject
+            boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
+            mesh_name = self.meshes.name_of(dist.ProcessGroup.unbox(boxed))
+            if mesh_name in ("dp", "efsdp"):
+                inputs = args[1] if isinstance(args[1], list) else [args[1]]
+                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+                self.entries.append(
+                    (
+                        phase,
+                        self._OPS[name],
+                        self._owner(),
+                        "dense" if mesh_name == "dp" else "experts",
+                        [t.numel() for t in inputs],
+                    )
+                )
+        return func(*args, **(kwargs or {}))
+
+    def _owner(self) -> str:
+        for label in reversed(self._labels):
+            if label.startswith("FSDP::"):
+                match = re.search(r"\(layers\.(\d+)", label)
+                return f"block{match.group(1)}" if match else "root"
+        return "?"
+
+    def order(self, phase: str, op: str = "all_gather") -> str:
+        """``"block1.dense, block1.experts, ..."``: one entry per collective."""
+        return ", ".join(f"{o}.{k}" for p, c, o, k, _ in self.entries if (p, c) == (phase, op))
+
+    def lines(self) -> str:
+        """One line per collective: ``phase op owner.kind numels`` (``a+b`` if coalesced)."""
+        return "\n".join(
+            f"{p} {c} {o}.{k} {'+'.join(map(str, n))}" for p, c, o, k, n in self.entries
+        )
