@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from common_fsdp_ext import Model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
-
-from common_fsdp_ext import Model
 
 # How a block is checkpointed:
 # - "checkpoint_wrapper": ``checkpoint_wrapper(block)`` (non-reentrant), FSDP on the wrapper
