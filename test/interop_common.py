@@ -46,25 +46,19 @@ def reset_parameters(model: nn.Module) -> None:
             module.reset_parameters()
 
 
-def build_titan_style(
+def shard_titan_style(
+    model: nn.Module,
     impl: SimpleNamespace,
     mesh: DeviceMesh,
-    device: torch.device,
     *,
-    meta_init: bool = False,
     ac: str = "none",
     compile_blocks: bool = False,
     fsdp_kwargs: dict[str, Any] | None = None,
-    dim: int = 16,
-    hidden: int = 32,
 ) -> nn.Module:
-    """Builds and shards :class:`Model` with ``impl``; parameters are seeded with 42."""
+    """Checkpoints, compiles and shards each block of ``model``, then the root."""
     if ac not in AC_KINDS:
         raise ValueError(f"{ac=} is not one of {AC_KINDS}")
     kwargs = {"mesh": mesh, **(fsdp_kwargs or {})}
-    torch.manual_seed(42)
-    with torch.device("meta" if meta_init else device):
-        model = Model(dim, hidden)
     for i, block in enumerate(model.blocks):
         shard_target: nn.Module
         if ac == "checkpoint_wrapper":
@@ -81,6 +75,26 @@ def build_titan_style(
         impl.fully_shard(shard_target, **kwargs)
         model.blocks[i] = block
     impl.fully_shard(model, **kwargs)
+    return model
+
+
+def build_titan_style(
+    impl: SimpleNamespace,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    meta_init: bool = False,
+    dim: int = 16,
+    hidden: int = 32,
+    **shard_kwargs: Any,
+) -> nn.Module:
+    """Builds :class:`Model` (seed 42), on the meta device if ``meta_init``, and
+    shards it with :func:`shard_titan_style`. Uses the global RNG: not for the
+    threaded process group, whose ranks share it."""
+    torch.manual_seed(42)
+    with torch.device("meta" if meta_init else device):
+        model = Model(dim, hidden)
+    shard_titan_style(model, impl, mesh, **shard_kwargs)
     if meta_init:
         model.to_empty(device=device)
         torch.manual_seed(42)
