@@ -25,7 +25,7 @@ import torch_fsdp_ext._fully_shard._fsdp_state as vendored_state
 # Graph breaks counted by ``torch._dynamo.utils.counters["graph_break"]`` over
 # the first forward and backward of a 2-block model with each block compiled.
 # Upstream FSDP2's hooks run outside the graph without a break; so must ours
-# (before ``torch_fsdp_ext._dynamo_compat``: 4 per model, at the
+# (before ``torch_fsdp_ext._torch_compat``: 4 per model, at the
 # ``_dynamo_disable`` wrappers of ``_pre_forward``/``_post_forward``).
 EXPECTED_GRAPH_BREAKS = 0
 

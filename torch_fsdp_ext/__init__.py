@@ -9,8 +9,8 @@ from ._vendor import ensure_vendored as _ensure_vendored
 
 _ensure_vendored()
 
-# Dynamo must skip the vendored hooks as it skips torch's own; see _dynamo_compat
-from . import _dynamo_compat  # noqa: E402, F401
+# Dynamo and pipelining must recognise our FSDP2 as they do torch's; see _torch_compat
+from . import _torch_compat  # noqa: E402, F401
 from ._clip_grad import clip_grad_norm_  # noqa: E402
 from ._fully_shard import (  # noqa: E402
     CPUOffloadPolicy,
