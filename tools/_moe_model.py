@@ -248,8 +248,7 @@ def expert_placement(meshes: MoEMeshes) -> torch_fsdp_ext.ShardPlacementResult:
 
     The one place that builds the placement; all expert parameters share it.
     """
-    info = torch_fsdp_ext.FSDPMeshInfo(meshes.efsdp, shard_mesh_dim=0)
-    return torch_fsdp_ext.ShardPlacementResult(Shard(1), info)
+    return torch_fsdp_ext.ShardPlacementResult(Shard(1), mesh=meshes.efsdp)
 
 
 def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETransformer:
@@ -274,9 +273,11 @@ def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETrans
     return torch_fsdp_ext.fully_shard(model, **kwargs)
 
 
-def build_model(args: MoEArgs, mode: str | None, meshes: MoEMeshes) -> MoETransformer:
-    """The model from seed 42 with expert parallelism, sharded as ``mode`` (or not if None)."""
-    torch.manual_seed(42)
+def build_model(
+    args: MoEArgs, mode: str | None, meshes: MoEMeshes, *, seed: int = 42
+) -> MoETransformer:
+    """The model from ``seed`` with expert parallelism, sharded as ``mode`` (or not if None)."""
+    torch.manual_seed(seed)
     model = MoETransformer(args)
     apply_expert_parallel(model, meshes)
     return model if mode is None else shard_model(model, mode, meshes)
@@ -287,15 +288,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def set_deterministic_reduce_scatter(model: nn.Module) -> None:
-    """Give every FSDP parameter group ``DeterministicReduceScatter``.
-
-    Set per group: ``set_custom_reduce_scatter`` refuses modules with several
-    groups (per-parameter meshes), but this comm is stateless and fits every mesh.
-    """
+    """Give every FSDP module ``DeterministicReduceScatter``; with per-parameter
+    meshes it serves each parameter group on that group's mesh."""
     for module in model.modules():
         if isinstance(module, upstream_fsdp.FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                group._reduce_scatter_comm = torch_fsdp_ext.DeterministicReduceScatter()
+            module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter())
 
 
 class FSDPCollectiveTrace(TorchDispatchMode):
@@ -354,9 +351,16 @@ class FSDPCollectiveTrace(TorchDispatchMode):
                 return f"block{match.group(1)}" if match else "root"
         return "?"
 
-    def order(self, phase: str, op: str = "all_gather") -> str:
-        """``"block1.dense, block1.experts, ..."``: one entry per collective."""
-        return ", ".join(f"{o}.{k}" for p, c, o, k, _ in self.entries if (p, c) == (phase, op))
+    def order(self, phase: str, ops: tuple[str, ...] = ("all_gather",)) -> str:
+        """``"block1.dense, block1.experts, ..."``: one entry per collective of
+        ``ops`` in ``phase``, each prefixed ``AG``/``RS`` if ``ops`` has several."""
+        # DeterministicReduceScatter reduce-scatters with an all-to-all
+        short = {"all_gather": "AG ", "reduce_scatter": "RS ", "all_to_all": "RS "}
+        return ", ".join(
+            f"{short[c] if len(ops) > 1 else ''}{o}.{k}"
+            for p, c, o, k, _ in self.entries
+            if p == phase and c in ops
+        )
 
     def lines(self) -> str:
         """One line per collective: ``phase op owner.kind numels`` (``a+b`` if coalesced)."""

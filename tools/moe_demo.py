@@ -79,7 +79,11 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None
             optims[mode].step()
             optims[mode].zero_grad()
             if step == 1:
-                orders[mode] = (trace.order("forward"), trace.order("backward"))
+                orders[mode] = (
+                    trace.order("forward"),
+                    trace.order("backward"),
+                    trace.order("backward", ("all_gather", "reduce_scatter", "all_to_all")),
+                )
             # The global loss: mean over ranks, the same on every rank
             dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.SUM)
             losses[mode] = loss.item() / args.world_size
@@ -181,9 +185,10 @@ def main() -> None:
         raise SystemExit(f"ranks {failed} failed")
     print("\nFSDP all-gather order in step 1 (block, and which mesh: dense = dp, experts = efsdp):")
     for mode, column in COLUMNS.items():
-        forward, backward = orders[mode]
+        forward, backward, schedule = orders[mode]
         print(f"  {column:<14} forward:  {forward}")
         print(f"  {'':<14} backward: {backward}")
+        print(f"  {'':<14} backward with reduce-scatters: {schedule}")
     print(
         f"\n{'all steps bitwise equal' if all_match else 'MISMATCH'} "
         f"(wall time {time.perf_counter() - start:.1f} s)"
