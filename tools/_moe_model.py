@@ -24,6 +24,7 @@ The three wrappings (:data:`MODES`) of each block, then the root:
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -352,15 +353,18 @@ class FSDPCollectiveTrace(TorchDispatchMode):
         return "?"
 
     def order(self, phase: str, ops: tuple[str, ...] = ("all_gather",)) -> str:
-        """``"block1.dense, block1.experts, ..."``: one entry per collective of
-        ``ops`` in ``phase``, each prefixed ``AG``/``RS`` if ``ops`` has several."""
+        """``"block1.dense, block1.experts, ..."``: the collectives of ``ops`` in
+        ``phase``, each prefixed ``AG``/``RS`` if ``ops`` has several; a run of
+        one-per-parameter ops of one group reads ``"RS block1.dense x8"``."""
         # DeterministicReduceScatter reduce-scatters with an all-to-all
         short = {"all_gather": "AG ", "reduce_scatter": "RS ", "all_to_all": "RS "}
-        return ", ".join(
+        names = [
             f"{short[c] if len(ops) > 1 else ''}{o}.{k}"
             for p, c, o, k, _ in self.entries
             if p == phase and c in ops
-        )
+        ]
+        runs = [(name, len(list(run))) for name, run in itertools.groupby(names)]
+        return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in runs)
 
     def lines(self) -> str:
         """One line per collective: ``phase op owner.kind numels`` (``a+b`` if coalesced)."""
