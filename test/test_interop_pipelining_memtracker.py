@@ -13,10 +13,13 @@ from common_fsdp_ext import (
     UPSTREAM,
     Block,
     FSDPExtTestMultiProcess,
+    Model,
     ParityMixin,
     assert_bitwise_equal,
     assert_models_bitwise_equal,
 )
+from interop_common import make_input_fn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.testing._internal.common_utils import run_tests
@@ -132,6 +135,89 @@ class TestFullyShardPipelining(FSDPExtTestMultiProcess, ParityMixin):
                 return _method(*args, **kwargs)
 
             setattr(module, name, recorded)
+
+
+class TestFullyShardMemTracker(FSDPExtTestMultiProcess, ParityMixin):
+    def _track(self, impl, fsdp_kwargs: dict) -> tuple[dict, dict]:
+        """Trains :class:`Model` for 2 steps under ``FSDPMemTracker`` and returns the
+        second step's peak and its per-module snapshots, keyed by module FQN."""
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        torch.manual_seed(42)
+        model = Model(16, 32).to(self.device)
+        for block in model.blocks:
+            impl.fully_shard(block, mesh=mesh, **fsdp_kwargs)
+        impl.fully_shard(model, mesh=mesh, **fsdp_kwargs)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tracker = FSDPMemTracker(model, optim)
+        make_input = make_input_fn(self.rank, self.device)
+        with tracker:
+            for step in range(2):
+                model(make_input(step)).sum().backward()
+                optim.step()
+                optim.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()
+
+        def plain(snapshot: dict) -> dict[str, int]:
+            return {str(k): v for k, v in snapshot[self.device].items()}
+
+        modules = {
+            stats.mod_fqn: {
+                str(state): [plain(snapshot) for snapshot in snapshots]
+                for state, snapshots in stats.snapshots.items()
+            }
+            for stats in tracker.memory_tracking.values()
+        }
+        self.assertEqual(len(modules), 3)
+        return plain(tracker.get_tracker_snapshot("peak")), modules
+
+    def test_mem_tracker_reports_our_categories(self):
+        """Tests that ``FSDPMemTracker`` tracks the vendored FSDP2: with grouped
+        collectives its report (peak and every module's snapshots, by category)
+        equals upstream's byte for byte; with per-parameter collectives it reports
+        no all-gather or reduce-scatter buffers, every other parameter, activation
+        and optimizer category as upstream, and forward totals that are upstream's
+        minus exactly its all-gather buffers (before and after each hook)."""
+        ref_peak, ref_modules = self._track(UPSTREAM, {})
+        peak, modules = self._track(EXT, {})
+        self.assertEqual(peak, ref_peak)
+        self.assertEqual(modules, ref_modules)
+
+        peak, modules = self._track(EXT, {"group_collectives": False})
+        all_gather, reduce_scatter = str(_FSDPRefType.ALL_GATHER), str(_FSDPRefType.REDUCE_SCATTER)
+        # Categories that cannot depend on how FSDP communicates
+        fixed = [
+            str(t) for t in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.BUFFER, _FSDPRefType.OPT)
+        ]
+        self.assertGreater(ref_peak[all_gather], 0)
+        self.assertEqual((peak[all_gather], peak[reduce_scatter]), (0, 0))
+        self.assertEqual(modules.keys(), ref_modules.keys())
+        for fqn, states in modules.items():
+            self.assertEqual(states.keys(), ref_modules[fqn].keys(), msg=fqn)
+            for state, snapshots in states.items():
+                pairs = zip(snapshots, ref_modules[fqn][state], strict=True)
+                for snapshot, ref_snapshot in pairs:
+                    what = f"{fqn} {state}"
+                    self.assertEqual((snapshot[all_gather], snapshot[reduce_scatter]), (0, 0))
+                    # A peak is taken where the total peaks, which moves
+                    if "PEAK" in state:
+                        continue
+                    for category in fixed:
+                        self.assertEqual(snapshot[category], ref_snapshot[category], msg=what)
+                    # In forward the only difference is the all-gather buffer. (In
+                    # backward, a prefetch shows as upstream's all-gather buffer but
+                    # as the parameters it fills in place here.)
+                    if "FW" in state:
+                        for category, nbytes in snapshot.items():
+                            if category not in (all_gather, "Total"):
+                                self.assertEqual(
+                                    nbytes, ref_snapshot[category], msg=f"{what} {category}"
+                                )
+                        self.assertEqual(
+                            snapshot["Total"],
+                            ref_snapshot["Total"] - ref_snapshot[all_gather],
+                            msg=what,
+                        )
 
 
 if __name__ == "__main__":
