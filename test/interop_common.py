@@ -53,6 +53,7 @@ def shard_titan_style(
     *,
     ac: str = "none",
     compile_blocks: bool = False,
+    fullgraph: bool = False,
     fsdp_kwargs: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Checkpoints, compiles and shards each block of ``model``, then the root."""
@@ -71,7 +72,7 @@ def shard_titan_style(
         else:
             shard_target = block
         if compile_blocks:
-            block.compile()
+            block.compile(fullgraph=fullgraph)
         impl.fully_shard(shard_target, **kwargs)
         model.blocks[i] = block
     impl.fully_shard(model, **kwargs)

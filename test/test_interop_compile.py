@@ -63,7 +63,8 @@ class TestFullyShardCompile(FSDPExtTestMultiProcess, ParityMixin):
         both modes trains bitwise equal to upstream FSDP2 under compile (losses,
         sharded params and grads), and that Dynamo counts exactly as many graph
         breaks and graphs for ours as for upstream, plainly and torchtitan-style
-        (meta init, ``checkpoint_wrapper``, compile, ``fully_shard``)."""
+        (meta init, ``checkpoint_wrapper``, compile with ``fullgraph=True``,
+        ``fully_shard`` with bf16 params and fp32 reduction)."""
         self.run_subtests(
             {"group_collectives": [True, False], "titan_style": [False, True]},
             self._test_compile_per_block_parity_and_graph_breaks,
@@ -77,17 +78,28 @@ class TestFullyShardCompile(FSDPExtTestMultiProcess, ParityMixin):
         torch._dynamo.reset()
         counters.clear()
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        build_kwargs = {
-            "compile_blocks": True,
-            "meta_init": titan_style,
-            "ac": "checkpoint_wrapper" if titan_style else "none",
-        }
-        ref_model = build_titan_style(UPSTREAM, mesh, self.device, **build_kwargs)
+        build_kwargs = {"compile_blocks": True}
+        if titan_style:
+            # As torchtitan: a graph break would raise, bf16 compute, fp32 reduce
+            build_kwargs.update(meta_init=True, ac="checkpoint_wrapper", fullgraph=True)
+
+        def fsdp_kwargs(impl):
+            if not titan_style:
+                return {}
+            return {
+                "mp_policy": impl.MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                )
+            }
+
+        ref_model = build_titan_style(
+            UPSTREAM, mesh, self.device, fsdp_kwargs=fsdp_kwargs(UPSTREAM), **build_kwargs
+        )
         model = build_titan_style(
             EXT,
             mesh,
             self.device,
-            fsdp_kwargs={"group_collectives": group_collectives},
+            fsdp_kwargs={"group_collectives": group_collectives, **fsdp_kwargs(EXT)},
             **build_kwargs,
         )
         inp = torch.randn(4, 16, device=self.device)
