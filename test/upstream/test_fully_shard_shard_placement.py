@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread
 from torch.testing._internal.common_utils import run_tests
 
-from torch_fsdp_ext import fully_shard
+from torch_fsdp_ext import DataParallelMeshDims, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DeterministicReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -101,6 +101,33 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
                 self.assertEqual(model.dense.weight.device_mesh, dp_mesh)
                 states.append((self._train(model), [p.to_local() for p in model.parameters()]))
             self._assert_states_equal(*states)
+
+    def test_meshes_sharing_a_process_group_keep_their_own_mesh(self):
+        """Tests that with ep=1, where the "efsdp" and "dp" meshes are distinct
+        meshes over one process group, experts stay DTensors on "efsdp" in a
+        param group of their own, and both collective modes give the same bits."""
+        world_mesh = init_device_mesh("cpu", (self.world_size, 1), mesh_dim_names=("efsdp", "ep"))
+        dp_mesh = world_mesh["efsdp", "ep"]._flatten("dp")
+        efsdp_mesh = world_mesh["efsdp"]
+        torch.manual_seed(42)
+        base = _MoEBlock(8)
+        states = []
+        for group_collectives in (True, False):
+            model = copy.deepcopy(base)
+            fully_shard(
+                model,
+                mesh=dp_mesh,
+                group_collectives=group_collectives,
+                shard_placement_fn=lambda p: (
+                    ShardPlacementResult(Shard(1), mesh=efsdp_mesh) if _is_expert(p) else None
+                ),
+            )
+            param_groups = model._get_fsdp_state()._fsdp_param_groups
+            self.assertEqual(len(param_groups), 2)
+            self.assertEqual(model.experts.w.device_mesh.mesh_dim_names, ("efsdp",))
+            self.assertEqual(model.dense.weight.device_mesh.mesh_dim_names, ("dp",))
+            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
+        self._assert_states_equal(*states)
 
     def test_fsdp_mesh_info_on_2d_mesh_shards_on_sub_mesh(self):
         """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
@@ -252,16 +279,16 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
         ):
             self._shard(lambda p: Shard(1) if p.ndim == 2 else None)
 
-    def test_rejects_disagreeing_meshes_on_one_process_group(self):
-        """Tests that two meshes over the same process group that are not equal
-        (here: different dim names) fail instead of silently picking one."""
-        pg = dist.new_group(list(range(self.world_size)))
-        mesh_a = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("a",))
-        mesh_b = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("b",))
-        with self.assertRaisesRegex(ValueError, "share a process group must use the same mesh"):
-            self._shard(
-                lambda p: ShardPlacementResult(Shard(0), mesh=mesh_a if _is_expert(p) else mesh_b)
-            )
+    def test_rejects_disagreeing_mesh_infos_on_one_mesh(self):
+        """Tests that two mesh infos on the same mesh that are not equal (here:
+        one names SPMD mesh dims) fail instead of silently picking one."""
+        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
+        plain = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+        spmd = FSDPMeshInfo(
+            mesh, shard_mesh_dim=0, dp_mesh_dims=DataParallelMeshDims(shard="dp"), spmd_mesh=mesh
+        )
+        with self.assertRaisesRegex(ValueError, "same mesh must use equal mesh info"):
+            self._shard(lambda p: ShardPlacementResult(Shard(0), spmd if _is_expert(p) else plain))
 
 
 if __name__ == "__main__":
