@@ -114,6 +114,43 @@ class TestFullyShardMoEParityW4(MoEMixin, FSDPExtTestMultiProcess):
             deterministic=True,
         )
 
+    def test_moe_matches_unsharded_reference(self):
+        """Tests, as a sanity check within float tolerance, that the EP model
+        on a 2x2 (efsdp, ep) mesh, sharded each way, trains like one unsharded
+        model fed every rank's tokens: the token all-gather / reduce-scatter
+        routes correctly, and the dp-size gradient divide factor scales expert
+        gradients like dense ones.
+
+        Not at W=2: (efsdp=1, ep=2) hits FSDP dividing twice on a 1-rank mesh
+        with a divide factor and force-sum reduction."""
+        self.run_subtests({"mode": list(moe.MODES)}, self._test_moe_matches_unsharded_reference)
+
+    def _test_moe_matches_unsharded_reference(self, mode: str):
+        meshes = moe.build_meshes("cpu", 2, 2)
+        model = self.build(mode, meshes, deterministic=False)
+        torch.manual_seed(42)
+        ref = moe.MoETransformer(ARGS)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(2):
+            tokens = []
+            for rank in range(self.world_size):
+                gen = torch.Generator().manual_seed(42 + rank + 1000 * step)
+                tokens.append(torch.randint(ARGS.vocab, (2, 9), generator=gen))
+            moe.loss_fn(model, tokens[self.rank]).backward()
+            (sum(moe.loss_fn(ref, t) for t in tokens) / self.world_size).backward()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
+            for o in (optim, ref_optim):
+                o.step()
+                o.zero_grad()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                self.assertEqual(param.full_tensor(), ref_param, msg=name)
+
     def test_dcp_round_trip(self):
         """Tests that saving model and AdamW state with DCP, loading it into a
         freshly built model (another seed) and training on stays bitwise equal

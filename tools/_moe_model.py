@@ -253,25 +253,39 @@ def expert_placement(meshes: MoEMeshes) -> torch_fsdp_ext.ShardPlacementResult:
 
 
 def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETransformer:
-    """Shard every block, then the root, the way ``mode`` (one of :data:`MODES`) says."""
+    """Shard every block, then the root, the way ``mode`` (one of :data:`MODES`) says.
+
+    Every FSDP module divides gradients by the dp size, as torchtitan's
+    ``fsdp_gradient_divide_factor``: an expert's gradient already sums the
+    tokens of its whole ep group (the backward of the token all-gather), so
+    dividing by the efsdp size alone would scale it by ep.
+    """
     if mode == "old":
         for layer in model.layers:
             upstream_fsdp.fully_shard(
                 layer.moe.experts, mesh=meshes.efsdp, shard_placement_fn=lambda p: Shard(1)
             )
             upstream_fsdp.fully_shard(layer, mesh=meshes.dp)
-        return upstream_fsdp.fully_shard(model, mesh=meshes.dp)
-    if mode not in MODES:
+        upstream_fsdp.fully_shard(model, mesh=meshes.dp)
+    elif mode in MODES:
+        placement = expert_placement(meshes)
+        kwargs: dict[str, Any] = {
+            "mesh": meshes.dp,
+            "shard_placement_fn": lambda p: placement if is_expert_param(p) else None,
+            "group_collectives": mode == "grouped",
+        }
+        for layer in model.layers:
+            torch_fsdp_ext.fully_shard(layer, **kwargs)
+        torch_fsdp_ext.fully_shard(model, **kwargs)
+    else:
         raise ValueError(f"mode must be one of {MODES} but got {mode!r}")
-    placement = expert_placement(meshes)
-    kwargs: dict[str, Any] = {
-        "mesh": meshes.dp,
-        "shard_placement_fn": lambda p: placement if is_expert_param(p) else None,
-        "group_collectives": mode == "grouped",
-    }
-    for layer in model.layers:
-        torch_fsdp_ext.fully_shard(layer, **kwargs)
-    return torch_fsdp_ext.fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, upstream_fsdp.FSDPModule):
+            module.set_gradient_divide_factor(float(meshes.dp.size()))
+            if dist.get_backend() == "gloo":
+                # gloo has no PREMUL_SUM: sum, then divide (DESIGN.md)
+                module.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def build_model(
