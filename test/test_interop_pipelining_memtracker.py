@@ -6,6 +6,8 @@ Run: ``python -m pytest test/test_interop_pipelining_memtracker.py``.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.nn as nn
 from common_fsdp_ext import (
@@ -150,13 +152,20 @@ class TestFullyShardMemTracker(FSDPExtTestMultiProcess, ParityMixin):
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         tracker = FSDPMemTracker(model, optim)
         make_input = make_input_fn(self.rank, self.device)
-        with tracker:
-            for step in range(2):
-                model(make_input(step)).sum().backward()
-                optim.step()
-                optim.zero_grad()
-                if step == 0:
-                    tracker.reset_mod_stats()
+        # Frees only by reference count, never when the cycle collector happens
+        # to run, so reports are deterministic
+        gc.collect()
+        gc.disable()
+        try:
+            with tracker:
+                for step in range(2):
+                    model(make_input(step)).sum().backward()
+                    optim.step()
+                    optim.zero_grad()
+                    if step == 0:
+                        tracker.reset_mod_stats()
+        finally:
+            gc.enable()
 
         def plain(snapshot: dict) -> dict[str, int]:
             return {str(k): v for k, v in snapshot[self.device].items()}
@@ -172,25 +181,38 @@ class TestFullyShardMemTracker(FSDPExtTestMultiProcess, ParityMixin):
         return plain(tracker.get_tracker_snapshot("peak")), modules
 
     def test_mem_tracker_reports_our_categories(self):
-        """Tests that ``FSDPMemTracker`` tracks the vendored FSDP2: with grouped
-        collectives its report (peak and every module's snapshots, by category)
-        equals upstream's byte for byte; with per-parameter collectives it reports
-        no all-gather or reduce-scatter buffers, every other parameter, activation
-        and optimizer category as upstream, and forward totals that are upstream's
-        minus exactly its all-gather buffers (before and after each hook)."""
-        ref_peak, ref_modules = self._track(UPSTREAM, {})
-        peak, modules = self._track(EXT, {})
-        self.assertEqual(peak, ref_peak)
-        self.assertEqual(modules, ref_modules)
+        """Tests that ``FSDPMemTracker`` tracks the vendored FSDP2 in both modes:
+        sharded parameters, buffers and optimizer states as upstream in every
+        snapshot; in forward, grouped collectives report byte for byte what
+        upstream reports, and per-parameter collectives the same except for no
+        all-gather buffer (totals lower by exactly upstream's); per-parameter
+        collectives never report all-gather or reduce-scatter buffers.
 
-        peak, modules = self._track(EXT, {"group_collectives": False})
+        Backward snapshots are not compared byte for byte: gloo frees a
+        collective's buffers when its worker thread finishes, so they depend on
+        timing (upstream's own peak varies under load)."""
+        ref_peak, ref_modules = self._track(UPSTREAM, {})
+        self.run_subtests(
+            {"group_collectives": [True, False]},
+            self._test_mem_tracker_reports_our_categories,
+            ref_peak=ref_peak,
+            ref_modules=ref_modules,
+        )
+
+    def _test_mem_tracker_reports_our_categories(
+        self, group_collectives: bool, ref_peak: dict, ref_modules: dict
+    ):
+        peak, modules = self._track(EXT, {"group_collectives": group_collectives})
         all_gather, reduce_scatter = str(_FSDPRefType.ALL_GATHER), str(_FSDPRefType.REDUCE_SCATTER)
         # Categories that cannot depend on how FSDP communicates
         fixed = [
             str(t) for t in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.BUFFER, _FSDPRefType.OPT)
         ]
         self.assertGreater(ref_peak[all_gather], 0)
-        self.assertEqual((peak[all_gather], peak[reduce_scatter]), (0, 0))
+        for category in fixed:
+            self.assertEqual(peak[category], ref_peak[category], msg=f"peak {category}")
+        if not group_collectives:
+            self.assertEqual((peak[all_gather], peak[reduce_scatter]), (0, 0))
         self.assertEqual(modules.keys(), ref_modules.keys())
         for fqn, states in modules.items():
             self.assertEqual(states.keys(), ref_modules[fqn].keys(), msg=fqn)
@@ -198,26 +220,28 @@ class TestFullyShardMemTracker(FSDPExtTestMultiProcess, ParityMixin):
                 pairs = zip(snapshots, ref_modules[fqn][state], strict=True)
                 for snapshot, ref_snapshot in pairs:
                     what = f"{fqn} {state}"
-                    self.assertEqual((snapshot[all_gather], snapshot[reduce_scatter]), (0, 0))
+                    if not group_collectives:
+                        self.assertEqual((snapshot[all_gather], snapshot[reduce_scatter]), (0, 0))
                     # A peak is taken where the total peaks, which moves
                     if "PEAK" in state:
                         continue
                     for category in fixed:
                         self.assertEqual(snapshot[category], ref_snapshot[category], msg=what)
-                    # In forward the only difference is the all-gather buffer. (In
-                    # backward, a prefetch shows as upstream's all-gather buffer but
-                    # as the parameters it fills in place here.)
-                    if "FW" in state:
-                        for category, nbytes in snapshot.items():
-                            if category not in (all_gather, "Total"):
-                                self.assertEqual(
-                                    nbytes, ref_snapshot[category], msg=f"{what} {category}"
-                                )
-                        self.assertEqual(
-                            snapshot["Total"],
-                            ref_snapshot["Total"] - ref_snapshot[all_gather],
-                            msg=what,
-                        )
+                    if "FW" not in state:
+                        continue
+                    if group_collectives:
+                        self.assertEqual(snapshot, ref_snapshot, msg=what)
+                        continue
+                    for category, nbytes in snapshot.items():
+                        if category not in (all_gather, "Total"):
+                            self.assertEqual(
+                                nbytes, ref_snapshot[category], msg=f"{what} {category}"
+                            )
+                    self.assertEqual(
+                        snapshot["Total"],
+                        ref_snapshot["Total"] - ref_snapshot[all_gather],
+                        msg=what,
+                    )
 
 
 if __name__ == "__main__":
