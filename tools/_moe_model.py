@@ -293,7 +293,7 @@ def build_model(
 ) -> MoETransformer:
     """The model from ``seed`` with expert parallelism, sharded as ``mode`` (or not if None)."""
     torch.manual_seed(seed)
-    model = MoETransformer(args)
+    model = MoETransformer(args).to(meshes.world.device_type)
     apply_expert_parallel(model, meshes)
     return model if mode is None else shard_model(model, mode, meshes)
 
