@@ -2,7 +2,7 @@
 ``tools/_moe_model.py`` train bitwise alike, their collectives come in the
 expected order, and DCP round-trips them.
 
-- ``old``: upstream ``fully_shard(block.moe.experts, mesh=efsdp)`` + ``fully_shard(block, mesh=dp)``;
+- ``old``: ``fully_shard(block.moe.experts, mesh=efsdp)`` + ``fully_shard(block, mesh=dp)``;
 - ``grouped``: one ``fully_shard(block, mesh=dp)`` with expert params on the
   efsdp mesh (``ShardPlacementResult(Shard(1), mesh=efsdp)``);
 - ``per-param``: ``grouped`` with ``group_collectives=False``.
@@ -82,6 +82,34 @@ class MoEMixin:
             # Dense params stay on the flattened dp mesh
             self.assertEqual(layer.attn.qkv.weight.device_mesh.mesh_dim_names, ("dp",))
 
+    def check_unsharded_reference(self, mode: str, efsdp: int, ep: int) -> None:
+        """Trains ``mode`` and one unsharded model fed every rank's tokens;
+        gradients and parameters within float tolerance."""
+        meshes = moe.build_meshes(DEVICE_TYPE, efsdp, ep)
+        model = self.build(mode, meshes, deterministic=False)
+        torch.manual_seed(42)
+        ref = moe.MoETransformer(ARGS).to(DEVICE_TYPE)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(2):
+            tokens = []
+            for rank in range(self.world_size):
+                gen = torch.Generator().manual_seed(42 + rank + 1000 * step)
+                tokens.append(torch.randint(ARGS.vocab, (2, 9), generator=gen).to(DEVICE_TYPE))
+            moe.loss_fn(model, tokens[self.rank]).backward()
+            (sum(moe.loss_fn(ref, t) for t in tokens) / self.world_size).backward()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
+            for o in (optim, ref_optim):
+                o.step()
+                o.zero_grad()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                self.assertEqual(param.full_tensor(), ref_param, msg=name)
+
 
 class TestFullyShardMoEParity(MoEMixin, FSDPExtTestMultiProcess):
     def test_moe_matches_old_wrapping(self):
@@ -96,6 +124,13 @@ class TestFullyShardMoEParity(MoEMixin, FSDPExtTestMultiProcess):
             ep=2,
             deterministic=False,
         )
+
+    def test_moe_matches_unsharded_reference_on_1_rank_efsdp(self):
+        """Tests, within float tolerance, that with experts on a 1-rank efsdp
+        mesh (efsdp=1, ep=2) every wrapping trains like the unsharded model:
+        FSDP skips the reduce-scatter there and must divide expert gradients
+        by the divide factor once (patch 0009; upstream divided twice)."""
+        self.run_subtests({"mode": list(moe.MODES)}, self.check_unsharded_reference, efsdp=1, ep=2)
 
     def test_moe_per_param_matches_grouped_without_ep(self):
         """Tests that with ep=1, where the efsdp and dp meshes are two meshes
@@ -132,37 +167,8 @@ class TestFullyShardMoEParityW4(MoEMixin, FSDPExtTestMultiProcess):
         on a 2x2 (efsdp, ep) mesh, sharded each way, trains like one unsharded
         model fed every rank's tokens: the token all-gather / reduce-scatter
         routes correctly, and the dp-size gradient divide factor scales expert
-        gradients like dense ones.
-
-        Not at W=2: (efsdp=1, ep=2) hits FSDP dividing twice on a 1-rank mesh
-        with a divide factor and force-sum reduction."""
-        self.run_subtests({"mode": list(moe.MODES)}, self._test_moe_matches_unsharded_reference)
-
-    def _test_moe_matches_unsharded_reference(self, mode: str):
-        meshes = moe.build_meshes(DEVICE_TYPE, 2, 2)
-        model = self.build(mode, meshes, deterministic=False)
-        torch.manual_seed(42)
-        ref = moe.MoETransformer(ARGS).to(DEVICE_TYPE)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        for step in range(2):
-            tokens = []
-            for rank in range(self.world_size):
-                gen = torch.Generator().manual_seed(42 + rank + 1000 * step)
-                tokens.append(torch.randint(ARGS.vocab, (2, 9), generator=gen).to(DEVICE_TYPE))
-            moe.loss_fn(model, tokens[self.rank]).backward()
-            (sum(moe.loss_fn(ref, t) for t in tokens) / self.world_size).backward()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref.parameters(), strict=True
-            ):
-                self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
-            for o in (optim, ref_optim):
-                o.step()
-                o.zero_grad()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref.parameters(), strict=True
-            ):
-                self.assertEqual(param.full_tensor(), ref_param, msg=name)
+        gradients like dense ones."""
+        self.run_subtests({"mode": list(moe.MODES)}, self.check_unsharded_reference, efsdp=2, ep=2)
 
     def test_dcp_round_trip(self):
         """Tests that saving model and AdamW state with DCP, loading it into a

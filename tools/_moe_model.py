@@ -14,8 +14,11 @@ plain tensor that FSDP shards with ``Shard(0)`` on the flattened "dp" mesh
 
 The three wrappings (:data:`MODES`) of each block, then the root:
 
-- ``old``: upstream ``fully_shard(block.moe.experts, mesh=efsdp, Shard(1))``,
-  then ``fully_shard(block, mesh=dp)``: two FSDP modules per block.
+- ``old``: ``fully_shard(block.moe.experts, mesh=efsdp, Shard(1))``, then
+  ``fully_shard(block, mesh=dp)``: two FSDP modules per block. It uses
+  ``torch_fsdp_ext`` (grouped, bitwise upstream's implementation) so that only
+  the wrapping differs: upstream torch 2.13 divides expert gradients twice on
+  a 1-rank efsdp mesh, which patch 0009 fixes.
 - ``grouped``: ``torch_fsdp_ext.fully_shard(block, mesh=dp, shard_placement_fn=...)``
   where the function puts expert parameters on the efsdp mesh
   (``ShardPlacementResult``): one FSDP module, two parameter groups.
@@ -32,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.distributed.fsdp as upstream_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -262,11 +264,11 @@ def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETrans
     """
     if mode == "old":
         for layer in model.layers:
-            upstream_fsdp.fully_shard(
+            torch_fsdp_ext.fully_shard(
                 layer.moe.experts, mesh=meshes.efsdp, shard_placement_fn=lambda p: Shard(1)
             )
-            upstream_fsdp.fully_shard(layer, mesh=meshes.dp)
-        upstream_fsdp.fully_shard(model, mesh=meshes.dp)
+            torch_fsdp_ext.fully_shard(layer, mesh=meshes.dp)
+        torch_fsdp_ext.fully_shard(model, mesh=meshes.dp)
     elif mode in MODES:
         placement = expert_placement(meshes)
         kwargs: dict[str, Any] = {
@@ -279,12 +281,11 @@ def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETrans
         torch_fsdp_ext.fully_shard(model, **kwargs)
     else:
         raise ValueError(f"mode must be one of {MODES} but got {mode!r}")
+    # On CPU the built-in "cpu" FSDP backend sums, then divides, as gloo has
+    # no PREMUL_SUM
     for module in model.modules():
-        if isinstance(module, upstream_fsdp.FSDPModule):
+        if isinstance(module, torch_fsdp_ext.FSDPModule):
             module.set_gradient_divide_factor(float(meshes.dp.size()))
-            if dist.get_backend() == "gloo":
-                # gloo has no PREMUL_SUM: sum, then divide (DESIGN.md)
-                module.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -306,7 +307,7 @@ def set_deterministic_reduce_scatter(model: nn.Module) -> None:
     """Give every FSDP module ``DeterministicReduceScatter``; with per-parameter
     meshes it serves each parameter group on that group's mesh."""
     for module in model.modules():
-        if isinstance(module, upstream_fsdp.FSDPModule):
+        if isinstance(module, torch_fsdp_ext.FSDPModule):
             module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter())
 
 

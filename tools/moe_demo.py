@@ -7,7 +7,7 @@ and FSDP shards them Shard(1) on "efsdp"; every other parameter is sharded on
 the flattened "dp" mesh (all ranks). The columns train the same model from the
 same seed:
 
-  (a) old        upstream fully_shard(block.moe.experts, mesh=efsdp) + fully_shard(block, mesh=dp)
+  (a) old        fully_shard(block.moe.experts, mesh=efsdp) + fully_shard(block, mesh=dp)
   (b) grouped    torch_fsdp_ext.fully_shard(block, mesh=dp, shard_placement_fn=...):
                  expert params on the efsdp mesh via ShardPlacementResult
   (c) per-param  (b) with group_collectives=False
