@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
-import tempfile
-from queue import Empty
 
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as upstream_fsdp
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from _ranks import rank_rows
 
 log = logging.getLogger("torch_fsdp_ext.demo")
 
@@ -116,19 +113,6 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None
     dist.destroy_process_group()
 
 
-def _next_row(queue, procs) -> tuple[int, dict[str, float]]:
-    """The next row from rank 0, failing fast if any rank died."""
-    while True:
-        try:
-            return queue.get(timeout=2)
-        except Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.terminate()
-                raise SystemExit(f"ranks {dead} failed; see their tracebacks above") from None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -150,34 +134,19 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log.info("training on %d CPU ranks (gloo) for %d steps", args.world_size, args.steps)
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, args, os.path.join(tmp, "store"), queue))
-            for r in range(args.world_size)
-        ]
-        for p in procs:
-            p.start()
-        names = None
-        all_equal = True
-        for _ in range(args.steps):
-            step, row = _next_row(queue, procs)
-            if names is None:
-                names = list(row)
-                print(f"{'step':>4}  " + "  ".join(f"{n:>20}" for n in names) + "  bitwise")
-            equal = len({row[n] for n in names}) == 1
-            all_equal &= equal
-            print(
-                f"{step:>4}  "
-                + "  ".join(f"{row[n]:>20.15f}" for n in names)
-                + f"  {'yes' if equal else 'NO'}"
-            )
-        for p in procs:
-            p.join()
-        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"ranks {failed} failed")
+    names = None
+    all_equal = True
+    for step, row in rank_rows(_worker, args, args.world_size, args.steps):
+        if names is None:
+            names = list(row)
+            print(f"{'step':>4}  " + "  ".join(f"{n:>20}" for n in names) + "  bitwise")
+        equal = len({row[n] for n in names}) == 1
+        all_equal &= equal
+        print(
+            f"{step:>4}  "
+            + "  ".join(f"{row[n]:>20.15f}" for n in names)
+            + f"  {'yes' if equal else 'NO'}"
+        )
     print("all losses bitwise equal" if all_equal else "LOSSES DIFFER")
     raise SystemExit(0 if all_equal else 1)
 

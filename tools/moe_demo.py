@@ -29,18 +29,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
-from queue import Empty
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import rank_rows  # noqa: E402
 
 log = logging.getLogger("torch_fsdp_ext.moe_demo")
 
@@ -108,19 +105,6 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None
     dist.destroy_process_group()
 
 
-def _next_row(queue, procs):
-    """The next row from rank 0, failing fast if any rank died."""
-    while True:
-        try:
-            return queue.get(timeout=2)
-        except Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.terminate()
-                raise SystemExit(f"ranks {dead} failed; see their tracebacks above") from None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -160,36 +144,22 @@ def main() -> None:
     if args.ep == 1:
         log.warning("--ep 1: expect (a) to differ in the last bits (see --help)")
     start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, args, os.path.join(tmp, "store"), queue))
-            for r in range(args.world_size)
-        ]
-        for p in procs:
-            p.start()
-        all_match = True
-        orders = {}
-        for i in range(args.steps):
-            step, losses, params_equal, step_orders = _next_row(queue, procs)
-            if i == 0:
-                log.info("ranks up and models sharded after %.1f s", time.perf_counter() - start)
-                print("| step | " + " | ".join(f"{c:>18}" for c in COLUMNS.values()) + " | match |")
-                print("|-----:|" + "|".join("-" * 19 + ":" for _ in COLUMNS) + "|:-----:|")
-            match = params_equal and len(set(losses.values())) == 1
-            all_match &= match
-            print(
-                f"| {step:>4} | "
-                + " | ".join(f"{losses[m]:>18.15f}" for m in COLUMNS)
-                + f" | {'yes' if match else 'NO':>5} |"
-            )
-            orders.update(step_orders)
-        for p in procs:
-            p.join()
-        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"ranks {failed} failed")
+    all_match = True
+    orders = {}
+    rows = rank_rows(_worker, args, args.world_size, args.steps)
+    for i, (step, losses, params_equal, step_orders) in enumerate(rows):
+        if i == 0:
+            log.info("ranks up and models sharded after %.1f s", time.perf_counter() - start)
+            print("| step | " + " | ".join(f"{c:>18}" for c in COLUMNS.values()) + " | match |")
+            print("|-----:|" + "|".join("-" * 19 + ":" for _ in COLUMNS) + "|:-----:|")
+        match = params_equal and len(set(losses.values())) == 1
+        all_match &= match
+        print(
+            f"| {step:>4} | "
+            + " | ".join(f"{losses[m]:>18.15f}" for m in COLUMNS)
+            + f" | {'yes' if match else 'NO':>5} |"
+        )
+        orders.update(step_orders)
     print("\nFSDP all-gather order in step 1 (block, and which mesh: dense = dp, experts = efsdp):")
     for mode, column in COLUMNS.items():
         forward, backward, schedule = orders[mode]
