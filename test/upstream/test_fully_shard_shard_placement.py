@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,12 @@ class _MoEBlock(nn.Module):
         super().__init__()
         self.dense = nn.Linear(dim, dim)
         self.experts = _Experts(4, dim)
+        # The same values on every rank and call: the threads of the threaded
+        # process group share the global RNG
+        gen = torch.Generator().manual_seed(42)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) / dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(self.dense(x))
@@ -51,7 +58,6 @@ class _MoEMeshTestCase(FSDPTestMultiThread):
     def _train(self, model: nn.Module, steps: int = 2) -> list[torch.Tensor]:
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
-        # The threads of the threaded process group share the global RNG
         gen = torch.Generator()
         for step in range(steps):
             gen.manual_seed(42 + self.rank + 1000 * step)
@@ -61,6 +67,36 @@ class _MoEMeshTestCase(FSDPTestMultiThread):
             optim.zero_grad()
             losses.append(loss.detach())
         return losses
+
+    def _train_both_modes(
+        self,
+        dp_mesh: DeviceMesh,
+        expert_placement: ShardPlacementResult,
+        check_model: Callable[[nn.Module], None],
+        ep_mesh: DeviceMesh | None = None,
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Shards one ``_MoEBlock`` per collective mode with experts at
+        ``expert_placement`` (EP DTensors ``Shard(0)`` on ``ep_mesh`` if given),
+        runs ``check_model`` on it, trains it, and checks that both modes give
+        the same losses and sharded params, which it returns."""
+        base = _MoEBlock(8)
+        states = []
+        for group_collectives in (True, False):
+            model = copy.deepcopy(base)
+            if ep_mesh is not None:
+                model.experts.w = nn.Parameter(
+                    distribute_tensor(model.experts.w.detach(), ep_mesh, [Shard(0)])
+                )
+            fully_shard(
+                model,
+                mesh=dp_mesh,
+                group_collectives=group_collectives,
+                shard_placement_fn=lambda p: expert_placement if _is_expert(p) else None,
+            )
+            check_model(model)
+            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
+        self._assert_states_equal(*states)
+        return states
 
     def _assert_states_equal(self, state, ref_state) -> None:
         """Compares (losses, tensors) pairs with ``torch.equal``."""
@@ -72,62 +108,42 @@ class _MoEMeshTestCase(FSDPTestMultiThread):
 
 class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
     def test_device_mesh_groups_params_per_mesh(self):
-        """Tests that ``ShardPlacementResult(mesh=...)`` built per call gives one
-        param group per mesh, FSDP on a 1D mesh and HSDP on a 2D mesh, and that
-        both collective modes train it to the same bits."""
+        """Tests that ``ShardPlacementResult(mesh=...)`` gives one param group
+        per mesh, FSDP on a 1D mesh and HSDP on a 2D mesh, and that both
+        collective modes train it to the same bits."""
         world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
         dp_mesh = init_device_mesh("cpu", (self.world_size,))
         for expert_mesh, expected_placements in (
             (world_mesh["efsdp"], (Shard(1),)),
             (world_mesh, (Replicate(), Shard(1))),
         ):
-            torch.manual_seed(42)
-            base = _MoEBlock(8)
-            states = []
-            for group_collectives in (True, False):
-                model = copy.deepcopy(base)
-                fully_shard(
-                    model,
-                    mesh=dp_mesh,
-                    group_collectives=group_collectives,
-                    shard_placement_fn=lambda p, m=expert_mesh: (
-                        ShardPlacementResult(Shard(1), mesh=m) if _is_expert(p) else None
-                    ),
-                )
-                param_groups = model._get_fsdp_state()._fsdp_param_groups
-                self.assertEqual(len(param_groups), 2)
+
+            def check_model(model, expert_mesh=expert_mesh, placements=expected_placements):
+                self.assertEqual(len(model._get_fsdp_state()._fsdp_param_groups), 2)
                 self.assertEqual(model.experts.w.device_mesh, expert_mesh)
-                self.assertEqual(model.experts.w.placements, expected_placements)
+                self.assertEqual(model.experts.w.placements, placements)
                 self.assertEqual(model.dense.weight.device_mesh, dp_mesh)
-                states.append((self._train(model), [p.to_local() for p in model.parameters()]))
-            self._assert_states_equal(*states)
+
+            self._train_both_modes(
+                dp_mesh, ShardPlacementResult(Shard(1), mesh=expert_mesh), check_model
+            )
 
     def test_meshes_sharing_a_process_group_keep_their_own_mesh(self):
         """Tests that with ep=1, where the "efsdp" and "dp" meshes are distinct
         meshes over one process group, experts stay DTensors on "efsdp" in a
         param group of their own, and both collective modes give the same bits."""
         world_mesh = init_device_mesh("cpu", (self.world_size, 1), mesh_dim_names=("efsdp", "ep"))
-        dp_mesh = world_mesh["efsdp", "ep"]._flatten("dp")
-        efsdp_mesh = world_mesh["efsdp"]
-        torch.manual_seed(42)
-        base = _MoEBlock(8)
-        states = []
-        for group_collectives in (True, False):
-            model = copy.deepcopy(base)
-            fully_shard(
-                model,
-                mesh=dp_mesh,
-                group_collectives=group_collectives,
-                shard_placement_fn=lambda p: (
-                    ShardPlacementResult(Shard(1), mesh=efsdp_mesh) if _is_expert(p) else None
-                ),
-            )
-            param_groups = model._get_fsdp_state()._fsdp_param_groups
-            self.assertEqual(len(param_groups), 2)
+
+        def check_model(model):
+            self.assertEqual(len(model._get_fsdp_state()._fsdp_param_groups), 2)
             self.assertEqual(model.experts.w.device_mesh.mesh_dim_names, ("efsdp",))
             self.assertEqual(model.dense.weight.device_mesh.mesh_dim_names, ("dp",))
-            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
-        self._assert_states_equal(*states)
+
+        self._train_both_modes(
+            world_mesh["efsdp", "ep"]._flatten("dp"),
+            ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
+            check_model,
+        )
 
     def test_fsdp_mesh_info_on_2d_mesh_shards_on_sub_mesh(self):
         """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
@@ -135,54 +151,35 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         equal to passing that dim's 1D sub-mesh, in both collective modes."""
         world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
         dp_mesh = init_device_mesh("cpu", (self.world_size,))
+
+        def check_model(model):
+            self.assertEqual(model.experts.w.device_mesh, world_mesh["efsdp"])
+
         mesh_info_2d = FSDPMeshInfo(world_mesh, shard_mesh_dim=0)
-        torch.manual_seed(42)
-        base = _MoEBlock(8)
-        for group_collectives in (True, False):
-            results = []
-            for expert_placement in (
-                ShardPlacementResult(Shard(1), mesh_info_2d),
-                ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
-            ):
-                model = copy.deepcopy(base)
-                fully_shard(
-                    model,
-                    mesh=dp_mesh,
-                    group_collectives=group_collectives,
-                    shard_placement_fn=lambda p, r=expert_placement: r if _is_expert(p) else None,
-                )
-                self.assertEqual(model.experts.w.device_mesh, world_mesh["efsdp"])
-                results.append((self._train(model), [model.experts.w.to_local()]))
-            self._assert_states_equal(*results)
+        states = self._train_both_modes(
+            dp_mesh, ShardPlacementResult(Shard(1), mesh_info_2d), check_model
+        )
+        ref_states = self._train_both_modes(
+            dp_mesh, ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]), check_model
+        )
+        self._assert_states_equal(states[0], ref_states[0])
 
     def test_ep_dtensor_experts_sharded_on_efsdp_sub_mesh(self):
         """Tests that expert params that are already ``Shard(0)`` DTensors on the
         "ep" dim get FSDP's ``Shard(1)`` on the "efsdp" dim of the same mesh and
         that both collective modes train them to the same bits."""
         world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
-        dp_mesh = world_mesh["efsdp", "ep"]._flatten("dp")
-        torch.manual_seed(42)
-        base = _MoEBlock(8)
-        states = []
-        for group_collectives in (True, False):
-            model = copy.deepcopy(base)
-            model.experts.w = nn.Parameter(
-                distribute_tensor(model.experts.w.detach(), world_mesh["ep"], [Shard(0)])
-            )
-            fully_shard(
-                model,
-                mesh=dp_mesh,
-                group_collectives=group_collectives,
-                shard_placement_fn=lambda p: (
-                    ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"])
-                    if _is_expert(p)
-                    else None
-                ),
-            )
+
+        def check_model(model):
             self.assertEqual(model.experts.w.device_mesh, world_mesh)
             self.assertEqual(model.experts.w.placements, (Shard(1), Shard(0)))
-            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
-        self._assert_states_equal(*states)
+
+        self._train_both_modes(
+            world_mesh["efsdp", "ep"]._flatten("dp"),
+            ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
+            check_model,
+            ep_mesh=world_mesh["ep"],
+        )
 
 
 class _GroupSizeRecordingAllGather(AllGather):
@@ -204,37 +201,28 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
         groups, each with its own process group, and that with
         ``DeterministicReduceScatter`` both collective modes give the same bits."""
         world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
-        dp_mesh = init_device_mesh("cpu", (self.world_size,))
-        torch.manual_seed(42)
-        base = _MoEBlock(8)
-        states = []
-        for group_collectives in (True, False):
-            model = copy.deepcopy(base)
-            fully_shard(
-                model,
-                mesh=dp_mesh,
-                group_collectives=group_collectives,
-                shard_placement_fn=lambda p: (
-                    ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"])
-                    if _is_expert(p)
-                    else None
-                ),
-            )
-            all_gather = _GroupSizeRecordingAllGather()
+        all_gathers: list[_GroupSizeRecordingAllGather] = []
+
+        def set_comms(model):
+            all_gathers.append(_GroupSizeRecordingAllGather())
             reduce_scatter = DeterministicReduceScatter()
-            model.set_custom_all_gather(all_gather)
+            model.set_custom_all_gather(all_gathers[-1])
             model.set_custom_reduce_scatter(reduce_scatter)
             for param_group in model._get_fsdp_state()._fsdp_param_groups:
-                self.assertIs(param_group._all_gather_comm, all_gather)
+                self.assertIs(param_group._all_gather_comm, all_gathers[-1])
                 self.assertIs(param_group._reduce_scatter_comm, reduce_scatter)
-            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
+
+        self._train_both_modes(
+            init_device_mesh("cpu", (self.world_size,)),
+            ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
+            set_comms,
+        )
+        for all_gather in all_gathers:
             self.assertEqual(set(all_gather.group_sizes), {4, 2})
-        self._assert_states_equal(*states)
 
 
 class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
     def _shard(self, shard_placement_fn) -> None:
-        torch.manual_seed(42)
         model = _MoEBlock(8)
         model.dense = nn.Linear(6, 6)
         model.experts = _Experts(4, 6)
