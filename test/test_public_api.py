@@ -1,8 +1,15 @@
 """The public surface of ``torch_fsdp_ext``: upstream's FSDP2 names, the private
 per-parameter mesh types, and ``isinstance`` compatibility with torch's ``FSDPModule``."""
 
+import copy
+
+import torch
+import torch.distributed as dist
 import torch.distributed.fsdp as upstream_fsdp
+import torch.distributed.fsdp._fully_shard._fsdp_common as _upstream_common
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
 from torch.testing._internal.common_utils import run_tests
 
@@ -57,6 +64,32 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
         # FSDPModule.__new__ constructs the original class, skipping both FSDPModule bases
         self.assertIs(type(model[0]).__new__(type(model[0]), 8).__class__, MLP)
         self.assertIsNot(torch_fsdp_ext.FSDPModule, upstream_fsdp.FSDPModule)
+
+    def test_accepts_upstream_shard_placement_result(self):
+        """Tests that ``torch_fsdp_ext.fully_shard`` takes torch's own
+        ``ShardPlacementResult``/``FSDPMeshInfo`` (as torchtitan builds them),
+        grouping equal mesh infos, and trains bitwise like ours."""
+        other_pg = dist.new_group(list(range(self.world_size)))
+        other_mesh = DeviceMesh.from_group(other_pg, "cpu", mesh_dim_names=("efsdp",))
+        torch.manual_seed(42)
+        base = MLP(8)
+        results = []
+        for common in (_upstream_common, _fsdp_common):
+            model = copy.deepcopy(base)
+            torch_fsdp_ext.fully_shard(
+                model,
+                shard_placement_fn=lambda p, c=common: (
+                    c.ShardPlacementResult(Shard(0), c.FSDPMeshInfo(other_mesh, shard_mesh_dim=0))
+                    if p.ndim == 2
+                    else None
+                ),
+            )
+            self.assertEqual(len(model._get_fsdp_state()._fsdp_param_groups), 2)
+            self.assertEqual(model.in_proj.weight.device_mesh, other_mesh)
+            model(torch.ones(2, 8)).sum().backward()
+            results.append([p.grad.to_local() for p in model.parameters()])
+        for grad, ref_grad in zip(*results, strict=True):
+            self.assertTrue(torch.equal(grad, ref_grad))
 
     def test_upstream_fully_shard_is_untouched(self):
         """Tests that importing ``torch_fsdp_ext`` leaves torch's own ``fully_shard``

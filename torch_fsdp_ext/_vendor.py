@@ -124,6 +124,16 @@ REWRITES: tuple[Rewrite, ...] = (
         1,
         "base class for the isinstance rewrite above",
     ),
+    Rewrite(
+        "_fsdp_common.py",
+        '    raise ValueError(f"Invalid shard_placement_fn result: {result}")\n',
+        f"    from {PACKAGE}._upstream_types import from_upstream_shard_placement_result\n\n"
+        "    if (converted := from_upstream_shard_placement_result(result)) is not None:\n"
+        "        return converted\n"
+        '    raise ValueError(f"Invalid shard_placement_fn result: {result}")\n',
+        1,
+        "torchtitan-style code returns torch's own ShardPlacementResult",
+    ),
 )
 
 # Project tests that travel upstream import the package; in the series they
