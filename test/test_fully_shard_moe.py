@@ -1,5 +1,5 @@
 """MoE with expert parallelism and per-parameter meshes: the three wrappings of
-``tools/_moe_model.py`` train bitwise alike, their collectives come in the
+``torch_fsdp_ext/_testing/moe.py`` train bitwise alike, their collectives come in the
 expected order, and DCP round-trips them.
 
 - ``old``: ``fully_shard(block.moe.experts, mesh=efsdp)`` + ``fully_shard(block, mesh=dp)``;
@@ -13,8 +13,6 @@ W=4 with ``DeterministicReduceScatter`` (gloo's W=4 sums depend on message
 size); at W=4 also an unsharded reference, collective traces and DCP.
 """
 
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,8 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_utils import run_tests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import _moe_model as moe  # noqa: E402
+from torch_fsdp_ext._testing import moe
 
 ARGS = moe.MoEArgs()
 

@@ -71,13 +71,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
-# demo.py (the transformer) sits next to this file; the exact peak-memory
-# helper lives with its test
-for _path in (ROOT / "tools", ROOT / "test"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+# demo.py (the transformer) sits next to this file
+if str(ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tools"))
 
 from demo import Transformer  # noqa: E402
+
+from torch_fsdp_ext._testing.memory import profile_step, step_peak_bytes  # noqa: E402
 
 log = logging.getLogger("torch_fsdp_ext.bench")
 
@@ -513,8 +513,6 @@ def _quiet_profiler() -> Iterator[None]:
 def _step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
     if inp.device.type == "cuda":
         return _cuda_step_peak_bytes(model, inp)
-    from test_fully_shard_per_param_memory import step_peak_bytes
-
     with _quiet_profiler():
         return step_peak_bytes(model, inp)
 
@@ -640,7 +638,6 @@ def _bench_model(
 def _peak_sites(model: nn.Module, inp: torch.Tensor) -> list[str]:
     """Where the forward and backward peaks of ``step_peak_bytes`` happen: the
     profiler's op stack at the allocation that reaches each peak (CPU only)."""
-    from test_fully_shard_per_param_memory import profile_step
     from torch._C._profiler import _EventType
 
     with _quiet_profiler():

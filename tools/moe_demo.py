@@ -45,7 +45,7 @@ COLUMNS = {"old": "(a) old", "grouped": "(b) grouped", "per-param": "(c) per-par
 
 
 def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None:
-    import _moe_model as moe
+    from torch_fsdp_ext._testing import moe
 
     # Four ranks share few cores: one intra-op thread each avoids oversubscription
     torch.set_num_threads(1)

@@ -1,9 +1,6 @@
 """A tiny DeepSeek-V3-like MoE transformer with expert parallelism, sharded
-three ways with FSDP2; shared by ``tools/moe_demo.py`` and ``test/test_fully_shard_moe.py``.
-
-It lives in ``tools/`` (a private module, so ``tools/*.py --help`` skips it)
-because the demo is a user-facing script that must not import from ``test/``;
-the tests put ``tools/`` on ``sys.path``.
+three ways with FSDP2; shared by ``tools/moe_demo.py``, ``tools/bench.py`` and
+``test/test_fully_shard_moe.py``.
 
 Layout, as torchtitan builds it: a world mesh with dims ``("efsdp", "ep")``.
 Routed experts are 3-D grouped parameters, DTensors ``Shard(0)`` on the "ep"
@@ -34,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -108,14 +104,60 @@ class TopKRouter(nn.Module):
         return weights, indices
 
 
+def _all_gather_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((x.size(0) * group.size(), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((x.size(0) // group.size(), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _AllGatherTokens(torch.autograd.Function):
+    """All-gathers dim 0 over the ep group; backward reduce-scatters the gradient.
+
+    Synchronous c10d collectives, not the asynchronous functional collectives
+    (``funcol.all_gather_single_autograd``): on gloo, an all-gather of
+    ``torch.distributed._functional_collectives`` that is in flight while the
+    caller keeps computing corrupts the heap now and then (torch 2.13; the
+    upstream report and a reproduction without FSDP are in
+    ``docs/upstream-gloo-funcol-heap-corruption.md``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_tokens(grad, ctx.group), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """Sum-reduce-scatters dim 0 over the ep group; backward all-gathers the
+    gradient. Synchronous for the reason given in :class:`_AllGatherTokens`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_tokens(grad, ctx.group), None
+
+
 class GroupedExperts(nn.Module):
     """Routed SwiGLU experts as 3-D parameters, one slice per expert.
 
     With expert parallelism (:func:`apply_expert_parallel`) the parameters are
     DTensors ``Shard(0)`` on the ep mesh. The forward all-gathers every ep
     rank's tokens, applies the local experts to the tokens routed to them and
-    reduce-scatters the weighted outputs back, with autograd-aware functional
-    collectives.
+    reduce-scatters the weighted outputs back (see :class:`_AllGatherTokens`).
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int):
@@ -131,12 +173,12 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         if self.ep_mesh is None or self.ep_mesh.size() == 1:
             return self._local_experts(x, weights, indices)
-        group = self.ep_mesh
-        x = funcol.all_gather_single_autograd(x, 0, group)
-        weights = funcol.all_gather_single_autograd(weights, 0, group)
-        indices = funcol.all_gather_single(indices, 0, group)
+        group = self.ep_mesh.get_group()
+        x = _AllGatherTokens.apply(x, group)
+        weights = _AllGatherTokens.apply(weights, group)
+        indices = _all_gather_tokens(indices, group)
         out = self._local_experts(x, weights, indices)
-        return funcol.reduce_scatter_single_autograd(out, "sum", 0, group)
+        return _ReduceScatterTokens.apply(out, group)
 
     def _local_experts(
         self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
