@@ -77,6 +77,31 @@ def first_difference(actual: torch.Tensor, expected: torch.Tensor) -> str:
     )
 
 
+def assert_matches_reference(
+    test: TestCase,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    reduction_size: int,
+    msg: str,
+) -> None:
+    """Asserts ``actual`` equals an unsharded reference's ``expected`` up to
+    reordering sums of ``reduction_size`` terms: at most
+    ``reduction_size * eps`` of the largest magnitude in ``expected`` (the
+    worst-case rounding bound of recursive summation, Higham, "Accuracy and
+    Stability of Numerical Algorithms", 4.2). The bound holds whatever order
+    the CPU's kernels sum in, so the check does not depend on them."""
+    tol = reduction_size * torch.finfo(expected.dtype).eps
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(
+        actual,
+        expected,
+        rtol=tol,
+        atol=tol * scale,
+        msg=lambda default: f"{msg}: {default}",
+    )
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,6 +30,7 @@ MODE_KEYS = {
 PLOTS = ("time.png", "memory.png", "copies.png", "sweep.png")
 
 
+@pytest.mark.slow
 class TestBenchQuick(TestCase):
     @classmethod
     def setUpClass(cls):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.trace_rules as trace_rules
@@ -48,6 +49,7 @@ class TestFullyShardCompileTraceRules(TestCase):
         self.assertFalse(trace_rules.check_file(os.path.join(package_dir, "_vendor.py")).skipped)
 
 
+@pytest.mark.slow
 class TestFullyShardCompile(FSDPExtTestMultiProcess, ParityMixin):
     def _compile_and_count(self, model: torch.nn.Module, inp: torch.Tensor) -> tuple[int, int]:
         """Runs one forward and backward; returns (graph breaks, graphs) it added."""
