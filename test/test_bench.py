@@ -75,8 +75,9 @@ class TestBenchQuick(TestCase):
 
     def test_json_has_every_mode_and_metric(self):
         """Tests that the JSON holds a gloo and a fake run, each with every mode's
-        metrics for every model and a ratio to upstream, the sweep on the fake
-        process group, and the issue's targets."""
+        metrics for every model, time ratios to upstream and grouped that match
+        the reported medians, the sweep on the fake process group, and the
+        issue's targets."""
         report = self._report()
         self.assertEqual(set(report), {"meta", "runs", "targets"})
         self.assertEqual({run["pg"] for run in report["runs"]}, {"gloo", "fake"})
@@ -91,7 +92,17 @@ class TestBenchQuick(TestCase):
                             set(stats["step_time_s"]),
                         )
                         self.assertLessEqual({"ops", "tensors", "bytes"}, set(stats["collectives"]))
-                    self.assertEqual(entry["modes"]["upstream"]["time_ratio_to_upstream"], 1.0)
+                    # Each ratio is that mode's median step time over upstream's
+                    # and grouped's, from the same samples the JSON reports
+                    upstream = entry["modes"]["upstream"]["step_time_s"]["median"]
+                    grouped = entry["modes"]["grouped"]["step_time_s"]["median"]
+                    self.assertGreater(upstream, 0)
+                    for stats in entry["modes"].values():
+                        median = stats["step_time_s"]["median"]
+                        self.assertLessEqual(stats["step_time_s"]["min"], median)
+                        self.assertLessEqual(median, stats["step_time_s"]["max"])
+                        self.assertAlmostEqual(stats["time_ratio_to_upstream"], median / upstream)
+                        self.assertAlmostEqual(stats["time_ratio_to_grouped"], median / grouped)
         fake = next(run for run in report["runs"] if run["pg"] == "fake")
         self.assertEqual([e["config"]["num_params"] for e in fake["sweep"]], [4, 64, 256])
         self.assertTrue(report["targets"])

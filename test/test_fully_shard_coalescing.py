@@ -9,25 +9,8 @@ coalesced op list reaches the backend as a single op.
 import torch
 from common_fsdp_ext import DEVICE_TYPE, EXT, FSDPExtTestMultiProcess, Model
 from torch.testing._internal.common_utils import run_tests
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class _C10dRecorder(TorchDispatchMode):
-    """Records each op of the c10d namespace as ``"<phase> <op> <input numels>"``."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func._schema.name.split("::")[1]
-            # (outputs, inputs, group, ...) for both the plain and coalesced ops
-            inputs = args[1] if isinstance(args[1], list) else [args[1]]
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            numels = "+".join(str(t.numel()) for t in inputs)
-            self.ops.append(f"{phase} {name} {numels}")
-        return func(*args, **(kwargs or {}))
+from torch_fsdp_ext._testing.comm_recorder import CommRecorder
 
 
 class TestFullyShardPerParamCoalescing(FSDPExtTestMultiProcess):
@@ -48,9 +31,11 @@ class TestFullyShardPerParamCoalescing(FSDPExtTestMultiProcess):
             optim.zero_grad()
 
         step()  # warm-up: lazy init
-        with _C10dRecorder() as recorder:
+        with CommRecorder() as recorder:
             step()
-        return "\n".join(recorder.ops)
+        return "\n".join(
+            f"{c.phase} {c.op} {'+'.join(map(str, c.input_numels))}" for c in recorder.collectives
+        )
 
     def test_one_coalesced_op_per_group(self):
         """Tests that with ``group_collectives=False`` each group's all-gathers

@@ -55,7 +55,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,8 +66,6 @@ import torch.distributed.fsdp as upstream_fsdp
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 # demo.py (the transformer) sits next to this file
@@ -77,6 +74,7 @@ if str(ROOT / "tools") not in sys.path:
 
 from demo import Transformer  # noqa: E402
 
+from torch_fsdp_ext._testing.comm_recorder import CommRecorder  # noqa: E402
 from torch_fsdp_ext._testing.memory import profile_step, step_peak_bytes  # noqa: E402
 
 log = logging.getLogger("torch_fsdp_ext.bench")
@@ -256,181 +254,6 @@ def _sweep_spec(num_params: int) -> ModelSpec:
 
 
 # ---------------------------------------------------------------------------
-# Copy and collective accounting
-# ---------------------------------------------------------------------------
-
-# aten ops that copy data; FSDP's custom ops (fsdp:: upstream, fsdp_ext:: here)
-# are counted whole (their inner aten ops are not seen by the mode)
-_COPY_OPS = {
-    "copy_",
-    "_foreach_copy_",
-    "cat",
-    "_chunk_cat",
-    "split_with_sizes_copy",
-    "_to_copy",
-    "clone",
-}
-_FSDP_NAMESPACES = {"fsdp", "fsdp_ext"}
-# c10d op -> (kind, index of the argument whose bytes are the payload):
-# all-gather output, reduce-scatter and all-to-all input, all-reduce tensors
-_COLLECTIVES = {
-    "_allgather_base_": ("all_gather", 0),
-    "allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "allreduce_": ("all_reduce", 0),
-    "allreduce_coalesced_": ("all_reduce", 0),
-    "alltoall_base_": ("all_to_all", 1),
-}
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _nbytes(value: Any) -> int:
-    total = 0
-    for t in _tensors(value):
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _fsdp_dirs() -> tuple[str, ...]:
-    import torch.distributed.fsdp._fully_shard as upstream_pkg
-
-    import torch_fsdp_ext._fully_shard as ext_pkg
-
-    return tuple(str(Path(p.__file__).resolve().parent) + os.sep for p in (upstream_pkg, ext_pkg))
-
-
-class CopyAndCollectiveRecorder(TorchDispatchMode):
-    """Sums the bytes written by copy ops and the collectives of a region.
-
-    A copy is FSDP-side when FSDP's own Python code (upstream's
-    ``torch/distributed/fsdp/_fully_shard`` or the generated
-    ``torch_fsdp_ext/_fully_shard``) is on the stack when it is dispatched;
-    other copies (the model's own, autograd's) go to ``model_copy_bytes``, and
-    copies dispatched inside ``Work.wait()`` (the backend's, e.g. gloo's
-    reduce-scatter copy-out) to ``backend_copies``.
-    Bytes written: the mutated arguments of an in-place or ``out=`` op, else
-    the outputs; for ``all_gather_copy_in``, the copied-in slice (its first
-    output), not the all-gather output that the collective fills.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.copies: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # op -> [count, bytes]
-        self.backend_copies: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        self.model_copy_bytes = 0
-        # kind -> [ops issued, tensors, bytes]
-        self.collectives: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-        self._fsdp_dirs = _fsdp_dirs()
-        self._in_wait = 0
-        self._saved_waits: list[tuple[type, Any]] = []
-
-    def __enter__(self):
-        # Copies that a backend dispatches when a collective completes (gloo's
-        # reduce-scatter copies its result out in ``Work.wait()``) are the
-        # backend's, not FSDP's, though FSDP's frame is on the stack
-        from torch._C import _distributed_c10d as c10d
-
-        for cls in (c10d.Work, c10d.FakeWork):
-            wait = cls.wait
-            self._saved_waits.append((cls, wait))
-            cls.wait = self._counting_wait(wait)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for cls, wait in self._saved_waits:
-            cls.wait = wait
-        self._saved_waits.clear()
-        return super().__exit__(*exc)
-
-    def _counting_wait(self, wait):
-        def counting_wait(work, *args, **kwargs):
-            self._in_wait += 1
-            try:
-                return wait(work, *args, **kwargs)
-            finally:
-                self._in_wait -= 1
-
-        return counting_wait
-
-    def _from_fsdp(self) -> bool:
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code.co_filename.startswith(self._fsdp_dirs):
-                return True
-            frame = frame.f_back
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        namespace, name = func.namespace, func._schema.name.split("::")[1]
-        if namespace == "c10d" and name in _COLLECTIVES:
-            kind, index = _COLLECTIVES[name]
-            record = self.collectives[kind]
-            record[0] += 1
-            record[1] += len(_tensors(args[index]))
-            record[2] += _nbytes(args[index])
-        elif namespace in _FSDP_NAMESPACES or (namespace == "aten" and name in _COPY_OPS):
-            nbytes = self._bytes_written(func, name, args, kwargs, out)
-            if self._in_wait:
-                record = self.backend_copies[f"{namespace}::{name}"]
-            elif self._from_fsdp():
-                record = self.copies[f"{namespace}::{name}"]
-            else:
-                self.model_copy_bytes += nbytes
-                return out
-            record[0] += 1
-            record[1] += nbytes
-        return out
-
-    @staticmethod
-    def _bytes_written(func, name: str, args, kwargs, out) -> int:
-        if name == "all_gather_copy_in":
-            return _nbytes(out[0])
-        written, mutates = 0, False
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                mutates = True
-                value = (
-                    kwargs.get(arg.name)
-                    if arg.kwarg_only
-                    else (args[i] if i < len(args) else kwargs.get(arg.name))
-                )
-                written += _nbytes(value)
-        return written if mutates else _nbytes(out)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "copy_bytes": sum(b for _, b in self.copies.values()),
-            "copy_ops": {k: {"count": c, "bytes": b} for k, (c, b) in sorted(self.copies.items())},
-            "backend_copy_bytes": sum(b for _, b in self.backend_copies.values()),
-            "backend_copy_ops": {
-                k: {"count": c, "bytes": b} for k, (c, b) in sorted(self.backend_copies.items())
-            },
-            "model_copy_bytes": self.model_copy_bytes,
-            "collectives": {
-                "ops": sum(r[0] for r in self.collectives.values()),
-                "tensors": sum(r[1] for r in self.collectives.values()),
-                "bytes": sum(r[2] for r in self.collectives.values()),
-                "by_kind": {
-                    k: {"ops": o, "tensors": t, "bytes": b}
-                    for k, (o, t, b) in sorted(self.collectives.items())
-                },
-            },
-        }
-
-
-# ---------------------------------------------------------------------------
 # Measurements (run on every rank)
 # ---------------------------------------------------------------------------
 
@@ -606,7 +429,7 @@ def _bench_model(
     for i, mode in enumerate(modes):
         with _coalescing(mode):
             _forward_backward(models[mode.name], inp)
-            with CopyAndCollectiveRecorder() as recorder:
+            with CommRecorder() as recorder:
                 _forward_backward(models[mode.name], inp)
         summary = recorder.summary()
         coll = summary["collectives"]

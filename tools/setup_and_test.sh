@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv from scratch if needed, install torch_fsdp_ext, check the patch
-# series, lint, and run the whole test suite. Extra arguments go to pytest.
+# series, lint, run the whole test suite, then the reference tests again on
+# ATen's portable CPU kernels. Extra arguments go to pytest.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,3s/^# //p' "$0"
+  sed -n '2,4s/^# //p' "$0"
   echo "usage: bash tools/setup_and_test.sh [pytest args...]"
   exit 0
 fi
@@ -23,3 +24,7 @@ $py -m ruff check .
 $py -m ruff format --check .
 echo "== tests"
 $py -m pytest test -q -p no:cacheprovider "$@"
+# Users' CPUs differ from this one: the tolerance-based comparisons with an
+# unsharded reference must hold with ATen's portable kernels too
+echo "== reference tests with ATEN_CPU_CAPABILITY=default"
+ATEN_CPU_CAPABILITY=default $py -m pytest test -q -p no:cacheprovider -m reference "$@"

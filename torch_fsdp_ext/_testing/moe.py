@@ -35,9 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_fsdp_ext
+from torch_fsdp_ext._testing.comm_recorder import CommRecorder
 
 MODES = ("old", "grouped", "per-param")
 
@@ -353,61 +353,30 @@ def set_deterministic_reduce_scatter(model: nn.Module) -> None:
             module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter())
 
 
-class FSDPCollectiveTrace(TorchDispatchMode):
-    """Records FSDP's all-gathers and reduce-scatters at the c10d level, in order.
+class FSDPCollectiveTrace(CommRecorder):
+    """FSDP's all-gathers and reduce-scatters of a region, in order, as the
+    demo prints and the tests pin them.
 
     Each entry is ``(phase, op, owner, kind, numels)``: ``owner`` is the block
     (``"block1"``) or ``"root"`` from the FSDP ``record_function`` label that
     encloses the collective, ``kind`` is ``"dense"`` (dp mesh) or ``"experts"``
     (efsdp mesh), and ``numels`` the input numel of each tensor, several for a
-    coalesced op. Seen at dispatch, so it works for upstream FSDP and the
-    vendored copy alike; collectives on other groups (ep) are skipped.
+    coalesced op. Collectives on other groups (ep) are skipped.
     """
-
-    _OPS = {
-        "_allgather_base_": "all_gather",
-        "allgather_into_tensor_coalesced_": "all_gather",
-        "_reduce_scatter_base_": "reduce_scatter",
-        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-        "alltoall_base_": "all_to_all",
-    }
 
     def __init__(self, meshes: MoEMeshes):
         super().__init__()
         self.meshes = meshes
-        self.entries: list[tuple[str, str, str, str, list[int]]] = []
-        self._labels: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket).split(".")[-1]
-        if func.namespace == "profiler" and name == "_record_function_enter_new":
-            self._labels.append(args[0])
-        elif func.namespace == "profiler" and name == "_record_function_exit":
-            self._labels.pop()
-        elif func.namespace == "c10d" and name in self._OPS:
-            # The c10d ops take the group boxed as a ScriptObject
-            boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
-            mesh_name = self.meshes.name_of(dist.ProcessGroup.unbox(boxed))
+    @property
+    def entries(self) -> list[tuple[str, str, str, str, tuple[int, ...]]]:
+        entries = []
+        for c in self.collectives:
+            mesh_name = self.meshes.name_of(c.group)
             if mesh_name in ("dp", "efsdp"):
-                inputs = args[1] if isinstance(args[1], list) else [args[1]]
-                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-                self.entries.append(
-                    (
-                        phase,
-                        self._OPS[name],
-                        self._owner(),
-                        "dense" if mesh_name == "dp" else "experts",
-                        [t.numel() for t in inputs],
-                    )
-                )
-        return func(*args, **(kwargs or {}))
-
-    def _owner(self) -> str:
-        for label in reversed(self._labels):
-            if label.startswith("FSDP::"):
-                match = re.search(r"\(layers\.(\d+)", label)
-                return f"block{match.group(1)}" if match else "root"
-        return "?"
+                kind = "dense" if mesh_name == "dp" else "experts"
+                entries.append((c.phase, c.kind, _owner(c.labels), kind, c.input_numels))
+        return entries
 
     def order(self, phase: str, ops: tuple[str, ...] = ("all_gather",)) -> str:
         """``"block1.dense, block1.experts, ..."``: the collectives of ``ops`` in
@@ -428,3 +397,11 @@ class FSDPCollectiveTrace(TorchDispatchMode):
         return "\n".join(
             f"{p} {c} {o}.{k} {'+'.join(map(str, n))}" for p, c, o, k, n in self.entries
         )
+
+
+def _owner(labels: tuple[str, ...]) -> str:
+    for label in reversed(labels):
+        if label.startswith("FSDP::"):
+            match = re.search(r"\(layers\.(\d+)", label)
+            return f"block{match.group(1)}" if match else "root"
+    return "?"
