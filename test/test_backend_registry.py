@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from common_fsdp_ext import (
     EXT,
@@ -30,6 +31,7 @@ import fsdp_backend_example_tpu  # noqa: E402
 from test_fully_shard_backend import _registered  # noqa: E402
 
 
+@pytest.mark.slow
 class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
     def test_divide_factor_on_gloo_equals_force_sum(self):
         """Tests that ``set_gradient_divide_factor`` works on CPU/gloo, which

@@ -129,6 +129,7 @@ class MoEMixin:
                 )
 
 
+@pytest.mark.slow
 class TestFullyShardMoEParity(MoEMixin, FSDPExtTestMultiProcess):
     def test_moe_matches_old_wrapping(self):
         """Tests that one ``fully_shard`` per block with expert params on the
@@ -281,6 +282,7 @@ class TestFullyShardMoEMemorySafety(MoEMixin, FSDPExtTestMultiProcess):
             layer.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 class TestFullyShardMoETrace(MoEMixin, FSDPExtTestMultiProcess):
     # Multi-process: the threaded process group bypasses the c10d ops that
     # FSDPCollectiveTrace records

@@ -8,6 +8,7 @@ proof is ``test_fully_shard_per_param_parity.py``.
 
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -149,6 +150,7 @@ class TestFullyShardPerParamCompositions(ParityMixin, FSDPTestMultiThread):
         self.check_parity(self.composition_configs()[config](), PER_PARAM, GROUPED)
 
 
+@pytest.mark.slow
 class TestFullyShardPerParamCompositionsW4(TestFullyShardPerParamCompositions):
     """World size 4 adds ``reshard_after_forward=2``, HSDP and HSDP partial
     reduce accumulation."""

@@ -102,6 +102,7 @@ def _set_deterministic_reduce_scatter(module) -> None:
 _use_deterministic_reduce_scatter = on_fsdp_modules(_set_deterministic_reduce_scatter)
 
 
+@pytest.mark.slow
 class TestFullyShardPerParamParityDeterministicW4(ParityMixin, FSDPExtTestMultiProcess):
     @property
     def world_size(self) -> int:

@@ -37,6 +37,7 @@ import os
 from dataclasses import dataclass
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -315,12 +316,14 @@ class TestFullyShardPerParamProperties(FSDPTestMultiThread):
         return models[0], models[1]
 
 
+@pytest.mark.slow
 class TestFullyShardPerParamPropertiesW3(TestFullyShardPerParamProperties):
     @property
     def world_size(self) -> int:
         return 3
 
 
+@pytest.mark.slow
 class TestFullyShardPerParamPropertiesW4(TestFullyShardPerParamProperties):
     @property
     def world_size(self) -> int:

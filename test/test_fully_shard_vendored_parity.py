@@ -6,6 +6,7 @@ Upstream is the reference nobody here wrote: this proves that vendoring plus the
 series leaves the default path byte-for-byte upstream.
 """
 
+import pytest
 from common_fsdp_ext import EXT, UPSTREAM, FSDPExtTestMultiProcess, ParityMixin
 from torch.testing._internal.common_utils import run_tests
 
@@ -25,6 +26,7 @@ class TestFullyShardVendoredParity(ParityMixin, FSDPExtTestMultiProcess):
         self.check_parity(self.base_parity_configs()[config](), (EXT, {}), (UPSTREAM, {}))
 
 
+@pytest.mark.slow
 class TestFullyShardVendoredParityW4(TestFullyShardVendoredParity):
     """World size 4 adds ``reshard_after_forward=2`` and HSDP on a 2x2 mesh."""
 

@@ -20,6 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import pytest
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,6 +148,7 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         self.assertIn("ok: export round trip is a no-op", proc.stdout)
         self.assertIn(str(self.repo / VENDORED), proc.stdout)
 
+    @pytest.mark.slow
     def test_every_tool_answers_help(self):
         """Tests that every tools/*.py not starting with _ answers --help with exit 0."""
         self.assertIn("check_patches.py", TOOLS)
@@ -219,6 +221,7 @@ class TestPatchToolingCheck(_TempRepoTestCase):
 
 
 class TestPatchToolingWorkspace(_TempRepoTestCase):
+    @pytest.mark.slow
     def test_export_round_trip_is_noop(self):
         """Tests that workspace.py init then export leaves every file in patches/ byte-identical."""
         repo = self.new_repo(vendored=True)
