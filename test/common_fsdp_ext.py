@@ -102,6 +102,28 @@ def assert_matches_reference(
     )
 
 
+def assert_model_matches_reference(
+    test: TestCase,
+    model: nn.Module,
+    ref: nn.Module,
+    *,
+    grads: bool,
+    reduction_size: int,
+    what: str,
+) -> None:
+    """:func:`assert_matches_reference` for every full (DTensor) parameter of
+    ``model``, or its gradient if ``grads``, against the unsharded ``ref``."""
+    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
+        actual, expected = (param.grad, ref_param.grad) if grads else (param, ref_param)
+        assert_matches_reference(
+            test,
+            actual.full_tensor(),
+            expected,
+            reduction_size=reduction_size,
+            msg=f"{what} {'grad' if grads else 'param'} {name}",
+        )
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_fsdp_ext import assert_matches_reference
+from common_fsdp_ext import assert_matches_reference, assert_model_matches_reference
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread
@@ -86,16 +86,14 @@ class TestClipGradNormAcrossMeshes(FSDPTestMultiThread):
             assert_matches_reference(
                 self, norm, ref_norm, reduction_size=reduction_size, msg=f"{norm_type}-norm"
             )
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref.parameters(), strict=True
-            ):
-                assert_matches_reference(
-                    self,
-                    param.grad.full_tensor(),
-                    ref_param.grad,
-                    reduction_size=reduction_size,
-                    msg=f"{norm_type}-norm clipped grad {name}",
-                )
+            assert_model_matches_reference(
+                self,
+                model,
+                ref,
+                grads=True,
+                reduction_size=reduction_size,
+                what=f"{norm_type}-norm clipped",
+            )
 
     @pytest.mark.reference
     def test_expert_parallel_layout(self):

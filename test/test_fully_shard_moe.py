@@ -22,7 +22,7 @@ from common_fsdp_ext import (
     DEVICE_TYPE,
     FSDPExtTestMultiProcess,
     assert_bitwise_equal,
-    assert_matches_reference,
+    assert_model_matches_reference,
     assert_models_bitwise_equal,
     train_in_lockstep,
 )
@@ -104,29 +104,15 @@ class MoEMixin:
                 tokens.append(torch.randint(ARGS.vocab, (2, 9), generator=gen).to(DEVICE_TYPE))
             moe.loss_fn(model, tokens[self.rank]).backward()
             (sum(moe.loss_fn(ref, t) for t in tokens) / self.world_size).backward()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref.parameters(), strict=True
-            ):
-                assert_matches_reference(
-                    self,
-                    param.grad.full_tensor(),
-                    ref_param.grad,
-                    reduction_size=reduction_size,
-                    msg=f"step {step} grad {name}",
-                )
+            assert_model_matches_reference(
+                self, model, ref, grads=True, reduction_size=reduction_size, what=f"step {step}"
+            )
             for o in (optim, ref_optim):
                 o.step()
                 o.zero_grad()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref.parameters(), strict=True
-            ):
-                assert_matches_reference(
-                    self,
-                    param.full_tensor(),
-                    ref_param,
-                    reduction_size=reduction_size,
-                    msg=f"step {step} param {name}",
-                )
+            assert_model_matches_reference(
+                self, model, ref, grads=False, reduction_size=reduction_size, what=f"step {step}"
+            )
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from common_fsdp_ext import (
     Model,
     ParityConfig,
     ParityMixin,
-    assert_matches_reference,
+    assert_model_matches_reference,
     on_fsdp_modules,
 )
 from torch.testing._internal.common_utils import run_tests
@@ -67,29 +67,25 @@ class TestFullyShardPerParamParity(ParityMixin, FSDPExtTestMultiProcess):
             loss.backward()
             ref_loss = sum(ref_model(inp).sum() for inp in inputs) / self.world_size
             ref_loss.backward()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref_model.parameters(), strict=True
-            ):
-                assert_matches_reference(
-                    self,
-                    param.grad.full_tensor(),
-                    ref_param.grad,
-                    reduction_size=reduction_size,
-                    msg=f"step {step} grad {name}",
-                )
+            assert_model_matches_reference(
+                self,
+                model,
+                ref_model,
+                grads=True,
+                reduction_size=reduction_size,
+                what=f"step {step}",
+            )
             for o in (optim, ref_optim):
                 o.step()
                 o.zero_grad()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref_model.parameters(), strict=True
-            ):
-                assert_matches_reference(
-                    self,
-                    param.full_tensor(),
-                    ref_param,
-                    reduction_size=reduction_size,
-                    msg=f"step {step} param {name}",
-                )
+            assert_model_matches_reference(
+                self,
+                model,
+                ref_model,
+                grads=False,
+                reduction_size=reduction_size,
+                what=f"step {step}",
+            )
 
 
 def _set_deterministic_reduce_scatter(module) -> None:
