@@ -54,4 +54,7 @@ class BuildPyWithVendoring(build_py):
             )
 
 
-setup(packages=["torch_fsdp_ext"], cmdclass={"build_py": BuildPyWithVendoring})
+setup(
+    packages=["torch_fsdp_ext", "torch_fsdp_ext._testing"],
+    cmdclass={"build_py": BuildPyWithVendoring},
+)

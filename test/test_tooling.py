@@ -30,6 +30,7 @@ LAYOUT = (
     "tools",
     "torch_fsdp_ext/_vendor.py",
     "torch_fsdp_ext/__init__.py",
+    "torch_fsdp_ext/_testing",
     "test/upstream",
 )
 BUILD_LAYOUT = ("setup.py", "pyproject.toml", "README.md")
@@ -372,6 +373,7 @@ class TestPatchToolingWheel(_TempRepoTestCase):
             stamp = json.loads(zf.read("torch_fsdp_ext/_fully_shard/VENDORED.json"))
         for name in (
             "torch_fsdp_ext/__init__.py",
+            "torch_fsdp_ext/_testing/moe.py",
             "torch_fsdp_ext/_vendor.py",
             "torch_fsdp_ext/_fully_shard/_fully_shard.py",
             "torch_fsdp_ext/_fully_shard/VENDORED.json",
