@@ -9,6 +9,7 @@ CUDA machine with too few GPUs skips cleanly.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,7 +56,15 @@ class FSDPExtTestMultiProcess(MultiProcessTestCase):
             torch.cuda.set_device(rank)
         store = dist.FileStore(file_name, self.world_size)
         dist.init_process_group(BACKEND, rank=rank, world_size=self.world_size, store=store)
-        self.run_test(test_name, parent_pipe)
+        self.run_test(test_name, parent_pipe)  # exits with the test's code unless it passed
+        # Passed and reported: skip interpreter teardown. There, a gloo worker
+        # thread that drops the last reference to a tensor Python has seen
+        # cannot take the GIL of the finalizing interpreter and aborts the rank
+        # (seen 1 in 4 quick-loop runs on a DTensor ``full_tensor()`` test; see
+        # docs/upstream-gloo-funcol-heap-corruption.md)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def run_subtests(self, *args, **kwargs):
         return run_subtests(self, *args, **kwargs)
