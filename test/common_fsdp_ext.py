@@ -343,7 +343,7 @@ class ParityMixin:
         return train_in_lockstep(self, models[0], models[1], make_input, **config.train_kwargs)
 
     def base_parity_configs(self) -> dict[str, Callable[[], ParityConfig]]:
-        """The configurations of the vendored-vs-upstream parity proof (issue 2).
+        """The configurations of the vendored-vs-upstream parity proof.
 
         Factories, since meshes and process groups must be built inside the test.
         """

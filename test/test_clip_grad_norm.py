@@ -1,4 +1,4 @@
-"""torch_fsdp_ext.clip_grad_norm_ over parameters sharded on different meshes (issue 5).
+"""torch_fsdp_ext.clip_grad_norm_ over parameters sharded on different meshes.
 
 The total norm and the clipped gradients are checked against an unsharded model
 trained on every rank's input (float tolerance: the reduction order differs),

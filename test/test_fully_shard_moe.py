@@ -233,7 +233,7 @@ class TestFullyShardMoEParityW4(MoEMixin, FSDPExtTestMultiProcess):
 
 @pytest.mark.slow
 class TestFullyShardMoEMemorySafety(MoEMixin, FSDPExtTestMultiProcess):
-    """Regression test for heap corruption in the W=4 MoE tests (issue 8):
+    """Regression test for heap corruption in the W=4 MoE tests:
     the EP token dispatch used asynchronous functional collectives, and on
     gloo an all-gather in flight while the caller keeps computing corrupts
     the heap now and then (``docs/upstream-gloo-funcol-heap-corruption.md``)."""
