@@ -17,13 +17,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
+from packaging.requirements import Requirement
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 REPO = Path(__file__).resolve().parent.parent
+# The series of the installed torch, relative to a repository copy
+INSTALLED = torch.__version__.split("+", 1)[0]
+PDIR = Path("patches") / INSTALLED
 # What the tools and the package need; setup.py & co. only for building a wheel.
 LAYOUT = (
     "patches",
@@ -94,10 +101,10 @@ def snapshot(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
-def series(repo: Path) -> list[Path]:
-    lines = (repo / "patches" / "series").read_text().splitlines()
+def series(repo: Path, pdir: Path = PDIR) -> list[Path]:
+    lines = (repo / pdir / "series").read_text().splitlines()
     names = [line.split("#", 1)[0].strip() for line in lines]
-    return [repo / "patches" / name for name in names if name]
+    return [repo / pdir / name for name in names if name]
 
 
 class _TempRepoTestCase(TestCase):
@@ -192,7 +199,7 @@ class TestPatchToolingCheck(_TempRepoTestCase):
     def test_modified_upstream_file(self):
         """Tests that an installed base file with another sha256 names pip install as the fix."""
         repo = self.new_repo(vendored=True)
-        base = repo / "patches" / "base.toml"
+        base = repo / PDIR / "base.toml"
         text = base.read_text()
         digest = re.search(r'= "([0-9a-f]{64})"', text).group(1)
         base.write_text(text.replace(digest, "0" * 64))
@@ -202,7 +209,7 @@ class TestPatchToolingCheck(_TempRepoTestCase):
     def test_wrong_torch_version(self):
         """Tests that a torch version other than the base names pip install torch== as the fix."""
         repo = self.new_repo(vendored=True)
-        base = repo / "patches" / "base.toml"
+        base = repo / PDIR / "base.toml"
         text = base.read_text()
         text, n = re.subn(r'^version = "[^"]+"', 'version = "1.0.0"', text, flags=re.M)
         self.assertEqual(n, 1)
@@ -226,13 +233,13 @@ class TestPatchToolingWorkspace(_TempRepoTestCase):
     def test_export_round_trip_is_noop(self):
         """Tests that workspace.py init then export leaves every file in patches/ byte-identical."""
         repo = self.new_repo(vendored=True)
-        before = snapshot(repo / "patches")
+        before = snapshot(repo / PDIR)
         generated = snapshot(repo / VENDORED)
         ws = self.tmp / "ws"
         self.assertSucceeds(run(repo, "tools/workspace.py", "init", "--dir", str(ws)))
         self.assertEqual(git(ws, "tag", "--list"), "base\n")
         self.assertSucceeds(run(repo, "tools/workspace.py", "export", "--dir", str(ws)))
-        self.assertEqual(snapshot(repo / "patches"), before)
+        self.assertEqual(snapshot(repo / PDIR), before)
         self.assertEqual(snapshot(repo / VENDORED), generated)
 
 
@@ -252,7 +259,7 @@ class TestPatchToolingImport(_TempRepoTestCase):
         """Tests that importing a copy generated from another series fails naming tools/vendor.py."""
         repo = self.new_repo(vendored=True)
         self.assertShadowsInstalled(repo)
-        with open(repo / "patches" / "series", "a") as f:
+        with open(repo / PDIR / "series", "a") as f:
             f.write("# a comment changes the series digest too\n")
         proc = run(repo, "-c", "import torch_fsdp_ext")
         self.assertFails(proc, "is stale", "python tools/vendor.py")
@@ -298,14 +305,221 @@ class TestPatchToolingImport(_TempRepoTestCase):
         leftovers = [p.name for p in (repo / "torch_fsdp_ext").glob("._fully_shard-*")]
         self.assertEqual(leftovers, [])
 
+    def test_hand_edited_generated_file_refused_at_import(self):
+        """Tests that a generated file changed after generation fails import naming tools/vendor.py."""
+        repo = self.new_repo(vendored=True)
+        with open(repo / VENDORED / "_fsdp_collectives.py", "a") as f:
+            f.write("DeterministicReduceScatter = None\n")
+        proc = run(repo, "-c", "import torch_fsdp_ext")
+        self.assertFails(proc, "VendorError", "['_fsdp_collectives.py']", "python tools/vendor.py")
+
+    def test_deleted_generated_file_refused_at_import(self):
+        """Tests that a deleted generated file gives the VendorError naming tools/vendor.py, not an ImportError."""
+        repo = self.new_repo(vendored=True)
+        (repo / VENDORED / "_fsdp_api.py").unlink()
+        proc = run(repo, "-c", "import torch_fsdp_ext")
+        self.assertFails(proc, "VendorError", "['_fsdp_api.py']", "python tools/vendor.py")
+        self.assertNotIn("ModuleNotFoundError", proc.stdout)
+
+    def test_unsupported_torch_lists_supported_versions(self):
+        """Tests that a torch with no series fails import with the supported versions and pip command."""
+        repo = self.new_repo()
+        for pdir in (repo / "patches").glob("*/"):
+            shutil.rmtree(pdir)
+        shutil.copytree(REPO / PDIR, repo / "patches" / "9.9.9")
+        bases = repo / "patches" / "bases.toml"
+        bases.write_text(re.sub(r'primary = "[^"]+"', 'primary = "9.9.9"', bases.read_text()))
+        proc = run(repo, "-c", "import torch_fsdp_ext")
+        self.assertFails(
+            proc,
+            f"torch {torch.__version__} is not supported",
+            "patch series for torch 9.9.9 only",
+            "Fix: pip install torch==9.9.9",
+        )
+
+    def test_unwritable_package_names_permissions_fix(self):
+        """Tests that failing to write the generated copy for lack of permission names a permissions fix."""
+        repo = self.new_repo()
+        # Tests run as root, which chmod cannot stop; fail the first write instead
+        code = (
+            "import tempfile; from unittest import mock\n"
+            "denied = PermissionError(13, 'Permission denied')\n"
+            "with mock.patch.object(tempfile, 'mkdtemp', side_effect=denied):\n"
+            "    import torch_fsdp_ext\n"
+        )
+        proc = run(repo, "-c", code)
+        self.assertFails(proc, "Permission denied", "as a user who can write to")
+        self.assertNotIn("--no-build-isolation", proc.stdout)
+        self.assertFalse((repo / VENDORED).exists())
+
+    def test_failed_generation_keeps_previous_copy_and_leaves_nothing_behind(self):
+        """Tests that a rename failing mid-replacement restores the old copy and removes the staging tree."""
+        repo = self.new_repo(vendored=True)
+        before = snapshot(repo / VENDORED)
+        code = (
+            "import pathlib, sys; from unittest import mock\n"
+            "sys.path.insert(0, 'tools'); from _patchlib import vendor\n"
+            "real = pathlib.Path.rename\n"
+            "def rename(self, target):\n"
+            "    if self.name.startswith('._fully_shard-') and not self.name.endswith('-old'):\n"
+            "        raise OSError(28, 'No space left on device')\n"
+            "    return real(self, target)\n"
+            "files = {'x.py': b'', 'VENDORED.json': b'{}'}\n"
+            "with mock.patch.object(pathlib.Path, 'rename', rename):\n"
+            "    vendor.write(vendor.VENDORED_DIR, files)\n"
+        )
+        proc = run(repo, "-c", code)
+        self.assertFails(proc, "No space left on device")
+        self.assertEqual(snapshot(repo / VENDORED), before)
+        leftovers = [p.name for p in (repo / "torch_fsdp_ext").glob("._fully_shard-*")]
+        self.assertEqual(leftovers, [])
+
+
+class TestPatchToolingBases(_TempRepoTestCase):
+    """Several torch bases side by side: selection, agreement between bases, porting."""
+
+    # Every torch release published as of 2026-12-01 from 2.11 on (pip index versions torch)
+    PUBLISHED = ("2.11.0", "2.12.0", "2.12.1", "2.13.0", "2.14.0", "2.14.1", "2.15.0")
+
+    def test_pyproject_range_is_exactly_the_supported_releases(self):
+        """Tests that pip may choose a published torch release iff import supports it."""
+        with open(REPO / "pyproject.toml", "rb") as f:
+            deps = [Requirement(d) for d in tomllib.load(f)["project"]["dependencies"]]
+        (spec,) = [d.specifier for d in deps if d.name == "torch"]
+        supported = {p.parent.name for p in (REPO / "patches").glob("*/base.toml")}
+        self.assertIn(INSTALLED, supported)
+        self.assertLessEqual(supported, set(self.PUBLISHED))
+        for version in self.PUBLISHED:
+            with self.subTest(version=version):
+                self.assertEqual(version in spec, version in supported)
+
+    def add_base(self, repo: Path, version: str) -> Path:
+        """A copy of the installed torch's series under another version."""
+        pdir = repo / "patches" / version
+        shutil.copytree(repo / PDIR, pdir)
+        base = pdir / "base.toml"
+        base.write_text(
+            re.sub(r'^version = "[^"]+"', f'version = "{version}"', base.read_text(), flags=re.M)
+        )
+        return pdir
+
+    def test_bases_with_other_subjects_fail(self):
+        """Tests that check_patches.py fails when one base's series has another patch subject."""
+        repo = self.new_repo(vendored=True)
+        pdir = self.add_base(repo, "9.9.9")
+        patch = series(repo, pdir.relative_to(repo))[-1]
+        patch.write_text(
+            patch.read_text().replace("Subject: [PATCH] ", "Subject: [PATCH] Renamed ", 1)
+        )
+        proc = run(repo, "tools/check_patches.py")
+        self.assertFails(proc, "patches/9.9.9 has other patch subjects", "Carrying a change")
+
+    def test_diverged_upstream_test_fails(self):
+        """Tests that check_patches.py fails when a base's series carries a test other than test/upstream/."""
+        repo = self.new_repo(vendored=True)
+        self.add_base(repo, "9.9.9")
+        (test,) = [p for p in (repo / "test/upstream").glob("test_*.py")][:1]
+        (repo / "test/upstream" / "9.9.9").mkdir()
+        (repo / "test/upstream" / "9.9.9" / test.name).write_text(test.read_text() + "# 9.9.9\n")
+        proc = run(repo, "tools/check_patches.py")
+        self.assertFails(proc, f"{test.name} in patches/9.9.9 differs", "sync-tests")
+        self.assertNotIn(f"in patches/{INSTALLED} differs", proc.stdout)
+
+    def fake_torch(self, name: str, version: str, edit: dict[str, tuple[str, str]]) -> Path:
+        """A torch package directory holding the installed base's files with ``edit`` applied
+        (file -> (old, new)), reporting ``version``: a stand-in for a new torch release."""
+        root = self.tmp / name / "torch"
+        (root / "distributed/fsdp").mkdir(parents=True)
+        shutil.copytree(
+            Path(torch.__file__).parent / "distributed/fsdp/_fully_shard",
+            root / "distributed/fsdp/_fully_shard",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        for file, (old, new) in edit.items():
+            path = root / "distributed/fsdp/_fully_shard" / file
+            text = path.read_text()
+            self.assertEqual(text.count(old), 1, old)
+            path.write_text(text.replace(old, new))
+        (root / "version.py").write_text(
+            f"__version__ = '{version}'\ngit_version = '{'ab' * 20}'\n"
+        )
+        return root
+
+    @pytest.mark.slow
+    def test_port_stops_at_conflict_and_exports_after_continue(self):
+        """Tests that port.py rebases the series onto a new torch, stops at a conflicting
+        upstream change, and after the conflict is resolved writes a base that checks clean."""
+        repo = self.new_repo(vendored=True)
+        # An upstream rewrite of a line the first patch changes, and an unrelated one
+        new_torch = self.fake_torch(
+            "new",
+            "9.9.9",
+            {
+                "_fully_shard.py": (
+                    '_validate_module(module, "fully_shard")',
+                    '_validate_module(module, "fully_shard")  # upstream change',
+                ),
+                "_fsdp_init.py": ("import itertools\n", "import itertools  # upstream change\n"),
+            },
+        )
+        ws = self.tmp / "port"
+        proc = run(repo, "tools/port.py", "start", "--to", str(new_torch), "--dir", str(ws))
+        self.assertFails(proc, "conflict while carrying", "_fully_shard.py", "port.py continue")
+        self.assertFalse((repo / "patches/9.9.9/series").exists())
+        # Resolve by keeping the patch's side of the conflicted file
+        git(ws, "checkout", "--theirs", "torch/distributed/fsdp/_fully_shard/_fully_shard.py")
+        git(ws, "add", "-A")
+        proc = run(repo, "tools/port.py", "continue", "--dir", str(ws))
+        self.assertSucceeds(proc)
+        self.assertEqual(
+            [p.name for p in series(repo, Path("patches/9.9.9"))], [p.name for p in series(repo)]
+        )
+        self.assertIn("ab" * 20, (repo / "patches/9.9.9/base.toml").read_text())
+        proc = run(repo, "tools/check_patches.py", "--base", "9.9.9", "--torch", str(new_torch))
+        self.assertSucceeds(proc)
+        self.assertIn("ok: bases", proc.stdout)
+        self.assertIn("skipped: the generated copy", proc.stdout)
+
+    def test_rewrite_count_drift_fails_generation(self):
+        """Tests that a rewrite whose target occurs another number of times fails generation loudly."""
+        repo = self.new_repo()
+        vendor_py = repo / "torch_fsdp_ext/_vendor.py"
+        text = vendor_py.read_text()
+        old = '(("_fsdp_collectives.py", 4), ("_fsdp_param.py", 2))'
+        self.assertIn(old, text)
+        vendor_py.write_text(text.replace(old, old.replace("4", "5")))
+        proc = run(repo, "tools/vendor.py")
+        self.assertFails(proc, "expected 5 occurrence(s) of 'torch.ops.fsdp.', found 4", "REWRITES")
+
+    def test_rewrites_apply_per_base(self):
+        """Tests that a rewrite limited to some bases applies there and nowhere else."""
+        from torch_fsdp_ext import _vendor
+
+        only = _vendor.Rewrite("_fully_shard.py", "a", "b", 1, "differs on 9.9.9", ("9.9.9",))
+        with mock.patch.object(_vendor, "REWRITES", (*_vendor.REWRITES, only)):
+            self.assertIn(only, _vendor.rewrites_for("9.9.9"))
+            self.assertNotIn(only, _vendor.rewrites_for(INSTALLED))
+            self.assertEqual(len(_vendor.rewrites_for(INSTALLED)), len(_vendor.REWRITES) - 1)
+
+    def test_base_other_than_torch_names_fix(self):
+        """Tests that --base naming a release other than the given torch names --torch as the fix."""
+        repo = self.new_repo()
+        self.add_base(repo, "9.9.9")
+        proc = run(
+            repo, "tools/workspace.py", "init", "--base", "9.9.9", "--dir", str(self.tmp / "ws")
+        )
+        self.assertFails(proc, "--base 9.9.9 needs the pristine files of torch 9.9.9", "--torch")
+
 
 class TestPatchToolingApplyToPytorch(_TempRepoTestCase):
     def init_checkout(self, repo: Path, name: str) -> Path:
         """A git repo holding the pristine base files at upstream paths, via _patchlib."""
         path = self.tmp / name
         code = (
-            "import sys; from pathlib import Path; sys.path.insert(0, 'tools'); "
-            "from _patchlib import init_base_repo; init_base_repo(Path(sys.argv[1]))"
+            "import argparse, sys; from pathlib import Path; sys.path.insert(0, 'tools'); "
+            "from _patchlib import init_base_repo, resolve_target; "
+            "target = resolve_target(argparse.Namespace(base=None, torch=None)); "
+            "init_base_repo(Path(sys.argv[1]), target)"
         )
         self.assertSucceeds(run(repo, "-c", code, str(path)))
         return path
@@ -377,9 +591,10 @@ class TestPatchToolingWheel(_TempRepoTestCase):
             "torch_fsdp_ext/_vendor.py",
             "torch_fsdp_ext/_fully_shard/_fully_shard.py",
             "torch_fsdp_ext/_fully_shard/VENDORED.json",
-            "torch_fsdp_ext/_patches/series",
-            "torch_fsdp_ext/_patches/base.toml",
-            *(f"torch_fsdp_ext/_patches/{p.name}" for p in series(repo)),
+            "torch_fsdp_ext/_patches/bases.toml",
+            f"torch_fsdp_ext/_patches/{INSTALLED}/series",
+            f"torch_fsdp_ext/_patches/{INSTALLED}/base.toml",
+            *(f"torch_fsdp_ext/_patches/{INSTALLED}/{p.name}" for p in series(repo)),
             *(f"torch_fsdp_ext/_fully_shard/{n}" for n in stamp["files"]),
         ):
             self.assertIn(name, names)

@@ -7,18 +7,24 @@ The tools must run when the generated copy is missing or stale, so they load
 
 from __future__ import annotations
 
+import argparse
+import email
+import email.policy
 import importlib.util
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
 UPSTREAM_TESTS = REPO / "test" / "upstream"
-DEFAULT_WORKSPACE = REPO / ".workspace"
+WORKSPACES = REPO / ".workspace"
 
 
 def _load_vendor():
@@ -70,25 +76,110 @@ def git(
     return proc
 
 
-def init_base_repo(path: Path) -> None:
-    """Create a git repo at ``path`` holding the pristine base files at upstream paths."""
-    base = vendor.read_base(PATCHES)
-    root = vendor.torch_root()
-    vendor.check_upstream(root, base)
-    path.mkdir(parents=True)
-    git(path, "init", "-q")
-    for rel in base.files:
+@dataclass(frozen=True)
+class Target:
+    """One base to work on: its series and a torch holding its pristine files."""
+
+    version: str
+    pdir: Path
+    root: Path  # a torch package directory
+    installed: bool  # ``root`` is the torch this interpreter imports
+
+
+def torch_from_wheel(wheel: Path) -> Path:
+    """Extract what the tools read from a torch wheel (``version.py`` and the
+    ``_fully_shard`` files) into a temporary directory; return its ``torch/``."""
+    tmp = Path(tempfile.mkdtemp(prefix="torch_fsdp_ext-wheel-"))
+    with zipfile.ZipFile(wheel) as zf:
+        wanted = [
+            name
+            for name in zf.namelist()
+            if name == "torch/version.py"
+            or (name.startswith(f"{vendor.UPSTREAM_DIR}/") and name.endswith(".py"))
+        ]
+        if "torch/version.py" not in wanted:
+            raise vendor.VendorError(f"{wheel} is not a torch wheel (no torch/version.py)")
+        zf.extractall(tmp, wanted)
+    return tmp / "torch"
+
+
+def torch_at(path: Path) -> Path:
+    """A torch package directory given as itself, its site-packages, or a wheel."""
+    if path.suffix == ".whl":
+        return torch_from_wheel(path)
+    for root in (path, path / "torch"):
+        if (root / "version.py").is_file():
+            return root
+    raise vendor.VendorError(f"no torch at {path}: pass a torch package directory or wheel")
+
+
+def add_base_arguments(parser: argparse.ArgumentParser, *, torch: bool = True) -> None:
+    parser.add_argument(
+        "--base",
+        metavar="VERSION",
+        help="torch release whose series to use (default: that of --torch, else the "
+        f"installed torch); one of the directories in {PATCHES}",
+    )
+    if torch:
+        parser.add_argument(
+            "--torch",
+            type=Path,
+            metavar="PATH",
+            help="where the base's pristine files come from: a torch package directory "
+            "or a torch wheel (default: the installed torch)",
+        )
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """The base named by ``--base``/``--torch``; the installed torch by default."""
+    installed = vendor.torch_root() if getattr(args, "torch", None) is None else None
+    root = installed or torch_at(args.torch)
+    have = vendor.release(vendor.installed_torch_version(root))
+    version = args.base or have
+    pdir = vendor.patches_dir(version, PATCHES)
+    if have != version:
+        raise vendor.VendorError(
+            f"--base {version} needs the pristine files of torch {version}, but the torch "
+            f"at {root} is {have}. Fix: pass --torch with a torch {version} package "
+            f"directory or wheel (pip download torch=={version} --no-deps), or run this "
+            f"tool with the python of a venv that has torch {version}"
+        )
+    return Target(version, pdir, root, installed is not None)
+
+
+def workspace_dir(version: str) -> Path:
+    return WORKSPACES / version
+
+
+def copy_base_files(path: Path, root: Path, files: dict[str, str]) -> None:
+    """Replace the upstream files in the repo at ``path`` with ``root``'s."""
+    for old in (path / vendor.UPSTREAM_DIR).glob("*.py"):
+        old.unlink()
+    for rel in files:
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(root.parent / rel, path / rel)
+
+
+def commit_base(path: Path, version: str, commit: str) -> None:
     git(path, "add", "-A")
     git(
         path,
         "commit",
         "-q",
         "-m",
-        f"torch {base.torch_version} base ({base.commit})\n\n"
-        f"Pristine {vendor.UPSTREAM_DIR}/*.py at upstream commit {base.commit}.",
+        f"torch {version} base ({commit})\n\n"
+        f"Pristine {vendor.UPSTREAM_DIR}/*.py at upstream commit {commit}.",
     )
+
+
+def init_base_repo(path: Path, target: Target) -> None:
+    """Create a git repo at ``path`` holding the pristine base files at upstream paths."""
+    base = vendor.read_base(target.pdir)
+    vendor.check_upstream(target.root, base)
+    path.mkdir(parents=True)
+    git(path, "init", "-q")
+    copy_base_files(path, target.root, base.files)
+    commit_base(path, base.torch_version, base.commit)
     git(path, "tag", BASE_TAG)
 
 
@@ -114,6 +205,46 @@ def am_series(path: Path, patches: list[Path], *, reproducible: bool = True) -> 
             )
 
 
+def base_files(root: Path) -> dict[str, str]:
+    """Upstream path -> sha256 of every ``_fully_shard`` file of the torch at ``root``."""
+    return {
+        f"{vendor.UPSTREAM_DIR}/{p.name}": vendor.sha256(p.read_bytes())
+        for p in sorted((root.parent / vendor.UPSTREAM_DIR).glob("*.py"))
+    }
+
+
+def write_base_toml(pdir: Path, version: str, commit: str, files: dict[str, str]) -> None:
+    lines = [
+        "# The pinned upstream base of this series. Everything generated from it is",
+        '# checked against these files (see CONTRIBUTING.md, "Adding a torch release").',
+        "",
+        "[torch]",
+        f'version = "{version}"',
+        f'commit = "{commit}"',
+        "",
+        f"# sha256 of every {vendor.UPSTREAM_DIR}/*.py at that release.",
+        "[files]",
+        *(f'"{rel}" = "{digest}"' for rel, digest in sorted(files.items())),
+    ]
+    pdir.mkdir(parents=True, exist_ok=True)
+    (pdir / "base.toml").write_text("\n".join(lines) + "\n")
+
+
+def export_series(ws: Path, pdir: Path) -> None:
+    """Write ``base..HEAD`` of the workspace ``ws`` to ``pdir`` as the series."""
+    if git(ws, "status", "--porcelain").stdout.strip():
+        raise vendor.VendorError(f"{ws} has uncommitted changes; commit them first")
+    with tempfile.TemporaryDirectory() as tmp:
+        new = format_patches(ws, Path(tmp))
+        for old in pdir.glob("*.patch"):
+            old.unlink()
+        for path in new:
+            shutil.copyfile(path, pdir / path.name)
+    header = "# Applied in order by tools/vendor.py and tools/apply_to_pytorch.py.\n"
+    (pdir / "series").write_text(header + "".join(f"{p.name}\n" for p in new))
+    log.info("exported %d patch(es) to %s", len(new), pdir)
+
+
 def format_patches(path: Path, outdir: Path) -> list[Path]:
     """Export ``base..HEAD`` as a stable ``git format-patch`` series into ``outdir``."""
     proc = git(
@@ -129,9 +260,45 @@ def format_patches(path: Path, outdir: Path) -> list[Path]:
     return [Path(line) for line in proc.stdout.split()]
 
 
-def upstream_test_files() -> dict[str, str]:
-    """Upstream path -> expected content, for every project test that travels upstream."""
+def upstream_test_files(version: str) -> dict[str, str]:
+    """Upstream path -> expected content, for every project test that travels upstream.
+
+    Every base carries the same ``test/upstream/test_*.py``; a base that really
+    needs its own version of one puts it in ``test/upstream/<version>/``.
+    """
+    sources = {p.name: p for p in UPSTREAM_TESTS.glob("test_*.py")}
+    sources.update({p.name: p for p in (UPSTREAM_TESTS / version).glob("test_*.py")})
     return {
-        f"{vendor.UPSTREAM_TEST_DIR}/{p.name}": vendor.rewrite_test(p.read_text())
-        for p in sorted(UPSTREAM_TESTS.glob("test_*.py"))
+        f"{vendor.UPSTREAM_TEST_DIR}/{name}": vendor.rewrite_test(sources[name].read_text())
+        for name in sorted(sources)
     }
+
+
+def series_test_files(pdir: Path) -> dict[str, str]:
+    """Upstream path -> content of the tests the series adds, without any torch files:
+    only the test paths are applied, to an empty tree."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for patch in vendor.read_series(pdir):
+            proc = subprocess.run(
+                ["git", "apply", "--include=test/*", "--whitespace=nowarn", str(patch)],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode != 0:
+                raise vendor.VendorError(
+                    f"the test files of {pdir.name}/{patch.name} do not apply:\n"
+                    f"{proc.stderr.strip()}"
+                )
+        return {str(p.relative_to(tmp)): p.read_text() for p in sorted(Path(tmp).rglob("*.py"))}
+
+
+def patch_subjects(pdir: Path) -> list[str]:
+    """The ``Subject:`` of every patch in the series, in order."""
+    subjects = []
+    for patch in vendor.read_series(pdir):
+        with open(patch, "rb") as f:
+            subjects.append(
+                email.message_from_binary_file(f, policy=email.policy.default)["Subject"]
+            )
+    return subjects

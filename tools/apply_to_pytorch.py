@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Apply patches/ to a pytorch checkout with git am, ready to push as a PR branch.
+"""Apply a base's series to a pytorch checkout with git am, ready to push as a PR branch.
 
-The checkout's torch/distributed/fsdp/_fully_shard/*.py must be the pinned base
+The checkout's torch/distributed/fsdp/_fully_shard/*.py must be that base
 (checked by sha256); a HEAD other than the base commit is reported, not refused,
-so the series can also be tried on a later main.
+so the series can also be tried on a later main. --base defaults to the
+installed torch's release; the upstream PR uses the primary base in
+patches/bases.toml.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from _patchlib import PATCHES, am_series, git, log, setup_logging, vendor
+from _patchlib import PATCHES, add_base_arguments, am_series, git, log, setup_logging, vendor
 
 
-def apply(checkout: Path) -> None:
-    base = vendor.read_base(PATCHES)
+def apply(checkout: Path, version: str) -> None:
+    pdir = vendor.patches_dir(version, PATCHES)
+    base = vendor.read_base(pdir)
     if git(checkout, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise vendor.VendorError(f"{checkout} has uncommitted changes; commit or stash them")
     changed = [
@@ -31,7 +34,7 @@ def apply(checkout: Path) -> None:
     head = git(checkout, "rev-parse", "HEAD").stdout.strip()
     if head != base.commit:
         log.warning("note: HEAD is %s, not the base commit %s", head[:12], base.commit[:12])
-    series = vendor.read_series(PATCHES)
+    series = vendor.read_series(pdir)
     am_series(checkout, series, reproducible=False)
     log.info("applied %d patch(es) to %s", len(series), checkout)
 
@@ -39,10 +42,12 @@ def apply(checkout: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("checkout", type=Path, help="path to a pytorch git checkout")
+    add_base_arguments(parser, torch=False)
     args = parser.parse_args()
     setup_logging()
     try:
-        apply(args.checkout)
+        version = args.base or vendor.release(vendor.installed_torch_version(vendor.torch_root()))
+        apply(args.checkout, version)
     except vendor.VendorError as e:
         raise SystemExit(f"error: {e}") from None
 

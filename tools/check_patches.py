@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """Check that patches/, the generated copy and the project tests agree.
 
-Exits 0 only if all of these hold, and otherwise names the first failure and its fix:
+Exits 0 only if all of these hold, and otherwise names each failure and its fix.
+For every base in patches/ (no torch needed):
 
-1. the installed torch matches the pinned base (version and sha256 of every file);
-2. the series applies cleanly (git am) to the pristine base files;
-3. torch_fsdp_ext/_fully_shard/ equals base + series + rewrites;
-4. every test/upstream/*.py equals, after import rewriting, its upstream-path
-   copy in the series;
-5. exporting the series again (git format-patch) reproduces patches/ byte for byte.
+1. its series has the same patch subjects, in the same order, as the primary base's;
+2. the tests its series adds equal test/upstream/*.py after import rewriting
+   (or test/upstream/<version>/*.py where a base has its own).
+
+For the chosen base (--base/--torch, default the installed torch):
+
+3. the torch matches the pinned base (version and sha256 of every file);
+4. the series applies cleanly (git am) to the pristine base files;
+5. torch_fsdp_ext/_fully_shard/ equals base + series + rewrites (installed torch only);
+6. exporting the series again (git format-patch) reproduces it byte for byte.
 """
 
 from __future__ import annotations
@@ -20,54 +25,80 @@ from pathlib import Path
 
 from _patchlib import (
     PATCHES,
+    Target,
+    add_base_arguments,
     am_series,
     format_patches,
     init_base_repo,
     log,
+    patch_subjects,
+    resolve_target,
+    series_test_files,
     setup_logging,
     upstream_test_files,
     vendor,
 )
 
 
-def check(vendored_dir: Path) -> list[str]:
+def check_bases_agree() -> list[str]:
     errors = []
-    base = vendor.read_base(PATCHES)
-    vendor.check_upstream(vendor.torch_root(), base)
-    log.info("ok: installed torch matches base %s (%s)", base.torch_version, base.commit[:12])
+    primary = vendor.primary_version(PATCHES)
+    want = patch_subjects(vendor.patches_dir(primary, PATCHES))
+    for version in vendor.supported_versions(PATCHES):
+        pdir = vendor.patches_dir(version, PATCHES)
+        have = patch_subjects(pdir)
+        if have != want:
+            errors.append(
+                f"patches/{version} has other patch subjects than the primary base "
+                f"patches/{primary}: {have} != {want}. Fix: carry the change to every base "
+                '(CONTRIBUTING.md, "Carrying a change to every base")'
+            )
+        tests = upstream_test_files(version)
+        in_series = series_test_files(pdir)
+        for rel in sorted(tests.keys() | in_series.keys()):
+            if rel not in in_series:
+                errors.append(f"patches/{version} lacks {rel}. Fix: workspace.py sync-tests")
+            elif rel not in tests:
+                errors.append(f"patches/{version} adds {rel}, which has no project source")
+            elif in_series[rel] != tests[rel]:
+                errors.append(
+                    f"{rel} in patches/{version} differs from its project source in "
+                    "test/upstream/. Fix: tools/workspace.py --base "
+                    f"{version} sync-tests, commit, export"
+                )
+    if not errors:
+        log.info(
+            "ok: bases %s carry the same %d patch subjects and upstream tests",
+            ", ".join(vendor.supported_versions(PATCHES)),
+            len(want),
+        )
+    return errors
 
-    series = vendor.read_series(PATCHES)
+
+def check_base(target: Target, vendored_dir: Path) -> list[str]:
+    errors = []
+    base = vendor.read_base(target.pdir)
+    vendor.check_upstream(target.root, base)
+    log.info(
+        "ok: torch at %s matches base %s (%s)", target.root, base.torch_version, base.commit[:12]
+    )
+
+    series = vendor.read_series(target.pdir)
     with tempfile.TemporaryDirectory() as tmp:
         ws = Path(tmp) / "ws"
-        init_base_repo(ws)
+        init_base_repo(ws, target)
         am_series(ws, series)
         log.info("ok: %d patch(es) apply cleanly with git am", len(series))
 
-        stale = vendor.diff(vendored_dir)
-        if stale:
+        if not target.installed:
+            log.info("skipped: the generated copy is checked against the installed torch only")
+        elif stale := vendor.diff(vendored_dir, target.root, target.pdir):
             errors.append(
                 f"{vendored_dir} differs from base + series + rewrites in {stale}. "
                 "Fix: python tools/vendor.py (never edit the generated copy by hand)"
             )
         else:
             log.info("ok: %s is base + series + rewrites", vendored_dir)
-
-        for rel, text in upstream_test_files().items():
-            path = ws / rel
-            if not path.is_file() or path.read_text() != text:
-                errors.append(
-                    f"{rel} in the series differs from test/upstream/{path.name}. "
-                    "Fix: tools/workspace.py sync-tests, commit, export"
-                )
-        orphans = sorted(
-            str(p.relative_to(ws))
-            for p in (ws / vendor.UPSTREAM_TEST_DIR).glob("test_*.py")
-            if str(p.relative_to(ws)) not in upstream_test_files()
-        )
-        if orphans:
-            errors.append(f"the series adds tests with no project source: {orphans}")
-        if not errors:
-            log.info("ok: upstream-path tests match test/upstream/")
 
         exported = Path(tmp) / "exported"
         new = format_patches(ws, exported)
@@ -80,8 +111,8 @@ def check(vendored_dir: Path) -> list[str]:
             churn = [p.name for p in series if not filecmp.cmp(p, exported / p.name, shallow=False)]
             if churn:
                 errors.append(
-                    f"exporting again changes {churn}; patches/ was not produced by "
-                    "tools/workspace.py export. Fix: init, export"
+                    f"exporting again changes {churn}; patches/{target.version} was not produced "
+                    "by tools/workspace.py export. Fix: init, export"
                 )
             else:
                 log.info("ok: export round trip is a no-op")
@@ -92,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_base_arguments(parser)
     parser.add_argument(
         "--vendored-dir",
         type=Path,
@@ -100,10 +132,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     setup_logging()
-    try:
-        errors = check(args.vendored_dir)
-    except vendor.VendorError as e:
-        errors = [str(e)]
+    errors = []
+    for step in (check_bases_agree, lambda: check_base(resolve_target(args), args.vendored_dir)):
+        try:
+            errors += step()
+        except vendor.VendorError as e:
+            errors.append(str(e))
     for error in errors:
         log.error("FAIL: %s", error)
     raise SystemExit(1 if errors else 0)

@@ -1,30 +1,47 @@
 #!/usr/bin/env bash
-# Set up .venv from scratch if needed, install torch_fsdp_ext, check the patch
-# series, lint, run the whole test suite, then the reference tests again on
-# ATen's portable CPU kernels. Extra arguments go to pytest.
+# Set up a venv for one torch base from scratch if needed, install
+# torch_fsdp_ext, check the patch series, lint, run the whole test suite, then
+# the reference tests again on ATen's portable CPU kernels.
 set -euo pipefail
+usage="usage: bash tools/setup_and_test.sh [--base VERSION] [pytest args...]
+
+--base  torch release to set up (one of patches/*/; default: the primary base
+        in patches/bases.toml). The primary base gets .venv, others .venv-VERSION.
+Extra arguments go to pytest."
+cd "$(dirname "$0")/.."
+primary=$(sed -n 's/^primary = "\(.*\)"/\1/p' patches/bases.toml)
+base=$primary
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   sed -n '2,4s/^# //p' "$0"
-  echo "usage: bash tools/setup_and_test.sh [pytest args...]"
+  echo "$usage"
   exit 0
 fi
-cd "$(dirname "$0")/.."
-py=.venv/bin/python
-if [[ ! -x $py ]]; then
-  echo "== creating .venv"
-  python3 -m venv .venv
+if [[ "${1:-}" == "--base" ]]; then
+  base=${2:?"$usage"}
+  shift 2
 fi
-echo "== installing requirements.txt and torch_fsdp_ext (editable)"
-$py -m pip install -q -r requirements.txt
+if [[ ! -f patches/$base/base.toml ]]; then
+  echo "error: no series for torch $base; supported: $(ls -d patches/*/ | xargs -n1 basename | tr '\n' ' ')" >&2
+  exit 2
+fi
+venv=.venv
+[[ $base == "$primary" ]] || venv=.venv-$base
+py=$venv/bin/python
+if [[ ! -x $py ]]; then
+  echo "== creating $venv (torch $base)"
+  python3 -m venv "$venv"
+fi
+echo "== installing torch==$base, requirements.txt and torch_fsdp_ext (editable) into $venv"
+$py -m pip install -q "torch==$base" -r requirements.txt
 $py -m pip install -q --no-build-isolation --no-deps -e .
-echo "== tools/check_patches.py"
+echo "== tools/check_patches.py (torch $base)"
 $py tools/check_patches.py
 echo "== ruff"
 $py -m ruff check .
 $py -m ruff format --check .
-echo "== tests"
+echo "== tests (torch $base)"
 $py -m pytest test -q -p no:cacheprovider "$@"
 # Users' CPUs differ from this one: the tolerance-based comparisons with an
 # unsharded reference must hold with ATen's portable kernels too
-echo "== reference tests with ATEN_CPU_CAPABILITY=default"
+echo "== reference tests with ATEN_CPU_CAPABILITY=default (torch $base)"
 ATEN_CPU_CAPABILITY=default $py -m pytest test -q -p no:cacheprovider -m reference "$@"

@@ -1,24 +1,40 @@
 #!/usr/bin/env python3
-"""Regenerate torch_fsdp_ext/_fully_shard/ from the installed torch plus patches/.
+"""Regenerate torch_fsdp_ext/_fully_shard/ from the installed torch plus its series.
 
-The output is deterministic and never edited by hand; see CONTRIBUTING.md.
+The output is deterministic and never edited by hand; see CONTRIBUTING.md. With
+--base/--torch naming another torch, the copy goes to --dest (the package's own
+copy must match the torch it imports).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from _patchlib import log, setup_logging, vendor
+from _patchlib import add_base_arguments, log, resolve_target, setup_logging, vendor
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_base_arguments(parser)
+    parser.add_argument(
+        "--dest", type=Path, help=f"where to generate (default: {vendor.VENDORED_DIR})"
+    )
+    args = parser.parse_args()
     setup_logging()
     try:
-        wrote = vendor.vendor()
+        target = resolve_target(args)
+        if args.dest is None and not target.installed:
+            raise vendor.VendorError(
+                f"the package's copy must be generated from the installed torch, not "
+                f"{target.root}. Fix: pass --dest, or run with the python of a venv "
+                f"that has torch {target.version}"
+            )
+        dest = args.dest or vendor.VENDORED_DIR
+        wrote = vendor.vendor(dest, target.root, target.pdir)
     except vendor.VendorError as e:
         raise SystemExit(f"error: {e}") from None
-    log.info("%s %s", "regenerated" if wrote else "up to date:", vendor.VENDORED_DIR)
+    log.info("%s %s (torch %s)", "regenerated" if wrote else "up to date:", dest, target.version)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Edit the patch series as git commits (quilt style).
+"""Edit one base's patch series as git commits (quilt style).
 
-  init        lay out a scratch git repo: pristine base files at upstream paths,
-              tagged ``base``, with patches/series applied as commits (git am)
+  init        lay out a scratch git repo: the base's pristine files at upstream
+              paths, tagged ``base``, with patches/<version>/series applied as
+              commits (git am)
   sync-tests  write the upstream-path form of test/upstream/*.py into it
-  export      regenerate patches/ from base..HEAD (git format-patch), then the
-              vendored copy
+  export      regenerate patches/<version>/ from base..HEAD (git format-patch),
+              then the vendored copy if the base is the installed torch
 
+The base defaults to the installed torch; the workspace to .workspace/<version>.
 See CONTRIBUTING.md for the full loop.
 """
 
@@ -14,36 +16,41 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 from _patchlib import (
-    DEFAULT_WORKSPACE,
-    PATCHES,
+    Target,
+    add_base_arguments,
     am_series,
-    format_patches,
-    git,
+    export_series,
     init_base_repo,
     log,
+    resolve_target,
     setup_logging,
     upstream_test_files,
     vendor,
+    workspace_dir,
 )
 
 
-def init(ws: Path, force: bool) -> None:
+def init(target: Target, ws: Path, force: bool) -> None:
     if ws.exists():
         if not force:
             raise SystemExit(f"{ws} exists; pass --force to discard it and start over")
         shutil.rmtree(ws)
-    init_base_repo(ws)
-    series = vendor.read_series(PATCHES)
+    init_base_repo(ws, target)
+    series = vendor.read_series(target.pdir)
     am_series(ws, series)
-    log.info("workspace %s: base + %d patch(es); edit and commit there", ws, len(series))
+    log.info(
+        "workspace %s: torch %s base + %d patch(es); edit and commit there",
+        ws,
+        target.version,
+        len(series),
+    )
 
 
-def sync_tests(ws: Path) -> None:
-    for rel, text in upstream_test_files().items():
+def sync_tests(target: Target, ws: Path) -> None:
+    for rel, text in upstream_test_files(target.version).items():
         path = ws / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
@@ -52,19 +59,11 @@ def sync_tests(ws: Path) -> None:
     log.info("commit the changes into the patch they belong to (git commit --fixup)")
 
 
-def export(ws: Path) -> None:
-    if git(ws, "status", "--porcelain").stdout.strip():
-        raise SystemExit(f"{ws} has uncommitted changes; commit them first")
-    with tempfile.TemporaryDirectory() as tmp:
-        new = format_patches(ws, Path(tmp))
-        for old in PATCHES.glob("*.patch"):
-            old.unlink()
-        for path in new:
-            shutil.copyfile(path, PATCHES / path.name)
-    header = "# Applied in order by tools/vendor.py and tools/apply_to_pytorch.py.\n"
-    (PATCHES / "series").write_text(header + "".join(f"{p.name}\n" for p in new))
-    log.info("exported %d patch(es) to %s", len(new), PATCHES)
-    if vendor.vendor():
+def export(target: Target, ws: Path) -> None:
+    export_series(ws, target.pdir)
+    if not target.installed:
+        log.info("the installed torch is not %s: the vendored copy is left alone", target.version)
+    elif vendor.vendor(vendor.VENDORED_DIR, target.root, target.pdir):
         log.info("regenerated %s", vendor.VENDORED_DIR)
 
 
@@ -73,19 +72,22 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("command", choices=["init", "sync-tests", "export"])
+    add_base_arguments(parser)
     parser.add_argument(
-        "--dir", type=Path, default=DEFAULT_WORKSPACE, help="workspace (default: %(default)s)"
+        "--dir", type=Path, help="workspace (default: .workspace/<version> in the repository)"
     )
     parser.add_argument("--force", action="store_true", help="init: replace an existing workspace")
     args = parser.parse_args()
     setup_logging()
     try:
+        target = resolve_target(args)
+        ws = args.dir or workspace_dir(target.version)
         if args.command == "init":
-            init(args.dir, args.force)
+            init(target, ws, args.force)
         elif args.command == "sync-tests":
-            sync_tests(args.dir)
+            sync_tests(target, ws)
         else:
-            export(args.dir)
+            export(target, ws)
     except vendor.VendorError as e:
         raise SystemExit(f"error: {e}") from None
 

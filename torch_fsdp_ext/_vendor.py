@@ -1,10 +1,12 @@
 """Generate ``torch_fsdp_ext._fully_shard`` from the installed torch plus ``patches/``.
 
 The vendored copy is *derived*, never edited: it is the installed torch's own
-``torch/distributed/fsdp/_fully_shard/*.py`` at the pinned base (checked by
-sha256), with the ``git format-patch`` series applied by ``git apply`` and a
-small, fixed set of rewrites (:data:`REWRITES`). A stamp file records what the
-copy was generated from, so a copy generated from another series is detected.
+``torch/distributed/fsdp/_fully_shard/*.py`` at a supported base (checked by
+sha256), with that base's ``git format-patch`` series
+(``patches/<torch version>/``) applied by ``git apply`` and a small, fixed set
+of rewrites (:data:`REWRITES`). A stamp file records what the copy was
+generated from and the sha256 of every generated file, so a copy generated from
+another series, or edited or damaged afterwards, is refused at import.
 
 This module uses only the standard library: ``setup.py`` loads it by path in
 build environments that may not have torch installed.
@@ -35,6 +37,8 @@ VENDORED_NAME = "_fully_shard"
 # The vendored copy registers its custom ops (upstream's ``fsdp::*``) here.
 OPS_NAMESPACE = "fsdp_ext"
 STAMP_NAME = "VENDORED.json"
+# patches/bases.toml names the primary base; each base is patches/<version>/.
+BASES_FILE = "bases.toml"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 VENDORED_DIR = PACKAGE_DIR / VENDORED_NAME
@@ -46,14 +50,15 @@ class VendorError(RuntimeError):
 
 @dataclass(frozen=True)
 class Rewrite:
-    """A literal replacement in one generated file: ``count`` times exactly, or at
-    least once if ``count`` is ``None``."""
+    """A literal replacement in one generated file, ``count`` times exactly; on every
+    base, or only on ``bases`` (where the upstream files differ)."""
 
     file: str
     old: str
     new: str
-    count: int | None
+    count: int
     why: str
+    bases: tuple[str, ...] | None = None
 
 
 # Rewrites turn upstream's module into a relocated copy. Each has an exact count
@@ -89,10 +94,10 @@ REWRITES: tuple[Rewrite, ...] = (
             file,
             "torch.ops.fsdp.",
             f"torch.ops.{OPS_NAMESPACE}.",
-            None,
+            count,
             "calls must reach the vendored copy's own ops",
         )
-        for file in ("_fsdp_collectives.py", "_fsdp_param.py")
+        for file, count in (("_fsdp_collectives.py", 4), ("_fsdp_param.py", 2))
     ),
     Rewrite(
         "_fsdp_backend.py",
@@ -147,19 +152,55 @@ TEST_REWRITES: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True)
 class Base:
-    """The pinned upstream base, read from ``patches/base.toml``."""
+    """A pinned upstream base, read from ``patches/<version>/base.toml``."""
 
     torch_version: str
     commit: str
     files: dict[str, str]  # upstream path -> sha256
 
 
-def patches_dir() -> Path:
-    """The series in a source checkout, or the copy shipped inside a wheel."""
+def patches_root() -> Path:
+    """``patches/`` in a source checkout, or the copy shipped inside a wheel."""
     checkout = PACKAGE_DIR.parent / "patches"
-    if (checkout / "series").is_file():
+    if (checkout / BASES_FILE).is_file():
         return checkout
     return PACKAGE_DIR / "_patches"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version))
+
+
+def supported_versions(root: Path | None = None) -> list[str]:
+    """The torch releases with a series, oldest first."""
+    root = patches_root() if root is None else root
+    return sorted((p.parent.name for p in root.glob("*/base.toml")), key=_version_key)
+
+
+def primary_version(root: Path | None = None) -> str:
+    """The base the upstream PR targets and the other bases are ported from."""
+    root = patches_root() if root is None else root
+    with open(root / BASES_FILE, "rb") as f:
+        return tomllib.load(f)["primary"]
+
+
+def release(version: str) -> str:
+    """``2.14.1+cu128`` -> ``2.14.1``: builds of one release share their Python files."""
+    return version.split("+", 1)[0]
+
+
+def patches_dir(version: str, root: Path | None = None) -> Path:
+    """The series for torch ``version``; :class:`VendorError` listing the supported ones if none."""
+    root = patches_root() if root is None else root
+    pdir = root / release(version)
+    if not (pdir / "base.toml").is_file():
+        supported = supported_versions(root)
+        raise VendorError(
+            f"torch {version} is not supported: torch_fsdp_ext has patch series for "
+            f"torch {', '.join(supported)} only. "
+            f"Fix: pip install torch=={primary_version(root)} (the primary base)"
+        )
+    return pdir
 
 
 def read_base(pdir: Path) -> Base:
@@ -185,16 +226,26 @@ def torch_root() -> Path:
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         raise VendorError(
-            "torch is not installed. Fix: pip install torch==<base version in patches/base.toml>"
+            f"torch is not installed. Fix: pip install torch=={primary_version()} "
+            f"(supported: {', '.join(supported_versions())})"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def installed_torch_version(root: Path) -> str:
-    match = re.search(r"^__version__ = '([^']+)'", (root / "version.py").read_text(), re.M)
+def _version_py_field(root: Path, name: str) -> str:
+    match = re.search(rf"^{name} = '([^']+)'", (root / "version.py").read_text(), re.M)
     if match is None:
-        raise VendorError(f"cannot read the torch version from {root / 'version.py'}")
+        raise VendorError(f"cannot read {name} from {root / 'version.py'}")
     return match.group(1)
+
+
+def installed_torch_version(root: Path) -> str:
+    return _version_py_field(root, "__version__")
+
+
+def torch_commit(root: Path) -> str:
+    """The upstream commit a torch build was made from."""
+    return _version_py_field(root, "git_version")
 
 
 def sha256(data: bytes) -> str:
@@ -204,9 +255,9 @@ def sha256(data: bytes) -> str:
 def check_upstream(root: Path, base: Base) -> None:
     """Raise :class:`VendorError` unless ``root`` holds exactly the base files."""
     version = installed_torch_version(root)
-    if version.split("+", 1)[0] != base.torch_version:
+    if release(version) != base.torch_version:
         raise VendorError(
-            f"torch_fsdp_ext is built against torch {base.torch_version}, but torch "
+            f"this series is for torch {base.torch_version}, but torch "
             f"{version} is installed at {root}. "
             f"Fix: pip install torch=={base.torch_version}"
         )
@@ -228,12 +279,16 @@ def check_upstream(root: Path, base: Base) -> None:
         )
 
 
+def rewrites_for(version: str) -> tuple[Rewrite, ...]:
+    return tuple(rw for rw in REWRITES if rw.bases is None or version in rw.bases)
+
+
 def series_digest(pdir: Path) -> str:
     """Digest of everything that determines the generated copy besides torch itself."""
     h = hashlib.sha256()
     for path in [pdir / "base.toml", pdir / "series", *read_series(pdir)]:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(repr(REWRITES).encode())
+    h.update(repr(rewrites_for(pdir.name)).encode())
     return h.hexdigest()
 
 
@@ -258,14 +313,15 @@ def apply_series(root: Path, pdir: Path, workdir: Path) -> None:
             )
 
 
-def rewrite(name: str, text: str) -> str:
-    for rw in REWRITES:
+def rewrite(name: str, text: str, version: str) -> str:
+    for rw in rewrites_for(version):
         if rw.file != name:
             continue
         found = text.count(rw.old)
-        if found == 0 or (rw.count is not None and found != rw.count):
+        if found != rw.count:
             raise VendorError(
-                f"rewrite of {name} expected {rw.count or 'some'} occurrence(s) of {rw.old!r}, "
+                f"rewrite of {name} (torch {version}) expected {rw.count} "
+                f"occurrence(s) of {rw.old!r}, "
                 f"found {found}; the patch series or the base changed under it "
                 f"({rw.why}). Fix: update REWRITES in {__file__}"
             )
@@ -287,7 +343,7 @@ def render(root: Path, pdir: Path) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory(prefix="torch_fsdp_ext-") as tmp:
         apply_series(root, pdir, Path(tmp))
         files = {
-            p.name: rewrite(p.name, p.read_text()).encode()
+            p.name: rewrite(p.name, p.read_text(), base.torch_version).encode()
             for p in sorted((Path(tmp) / UPSTREAM_DIR).glob("*.py"))
         }
     stamp = {
@@ -320,26 +376,43 @@ def _locked(dest: Path) -> Iterator[None]:
 
 
 def write(dest: Path, files: dict[str, bytes]) -> None:
-    """Replace ``dest`` with ``files``. The new tree is built beside it and renamed in."""
+    """Replace ``dest`` with ``files``. The new tree is built beside it and renamed in;
+    on any failure the previous tree stays and nothing else is left behind."""
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    for name, data in files.items():
-        (staging / name).write_bytes(data)
-    # mkdtemp creates 0700; the copy must be readable like the rest of the package
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
     old = None
-    if dest.exists():
-        old = dest.with_name(f"{staging.name}-old")
-        dest.rename(old)
-    staging.rename(dest)
+    try:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        # mkdtemp creates 0700; the copy must be readable like the rest of the package
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)
+        if dest.exists():
+            old = dest.with_name(f"{staging.name}-old")
+            dest.rename(old)
+        staging.rename(dest)
+    except BaseException:
+        if old is not None and not dest.exists():
+            old.rename(dest)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if old is not None:
         shutil.rmtree(old)
 
 
-def vendor(dest: Path = VENDORED_DIR) -> bool:
-    """Regenerate ``dest`` if it differs from base + series. Returns whether it wrote."""
-    root, pdir = torch_root(), patches_dir()
+def installed_series() -> tuple[Path, Path]:
+    """The installed torch and the series for it."""
+    root = torch_root()
+    return root, patches_dir(installed_torch_version(root))
+
+
+def vendor(dest: Path = VENDORED_DIR, root: Path | None = None, pdir: Path | None = None) -> bool:
+    """Regenerate ``dest`` if it differs from base + series. Returns whether it wrote.
+
+    ``root`` and ``pdir`` default to the installed torch and its series.
+    """
+    if root is None or pdir is None:
+        root, pdir = installed_series()
     with _locked(dest):
         files = render(root, pdir)
         if dest.is_dir() and _read_tree(dest) == files:
@@ -352,27 +425,52 @@ def _read_tree(dest: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in dest.iterdir() if p.is_file()}
 
 
-def diff(dest: Path = VENDORED_DIR) -> list[str]:
+def diff(
+    dest: Path = VENDORED_DIR, root: Path | None = None, pdir: Path | None = None
+) -> list[str]:
     """Names of generated files that differ from base + series + rewrites."""
-    want = render(torch_root(), patches_dir())
+    if root is None or pdir is None:
+        root, pdir = installed_series()
+    want = render(root, pdir)
     have = _read_tree(dest) if dest.is_dir() else {}
     return sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
 
 
+def _damaged_files(dest: Path, stamp: dict) -> list[str]:
+    """Generated files that are missing, changed or unexpected relative to the stamp."""
+    want = {**stamp.get("files", {}), STAMP_NAME: None}
+    have = {p.name for p in dest.iterdir() if p.is_file()}
+    damaged = sorted((have - want.keys()) | (want.keys() - have))
+    damaged += sorted(
+        name
+        for name, digest in want.items()
+        if digest is not None and name in have and sha256((dest / name).read_bytes()) != digest
+    )
+    return damaged
+
+
 def ensure_vendored() -> None:
-    """Import-time check: generate a missing copy, refuse a stale one.
+    """Import-time check: generate a missing copy, refuse a stale or damaged one.
 
     A missing copy is generated (editable installs and builds without torch
     defer generation to first import). A copy generated from another series or
-    base is never silently replaced: the error names the command to run.
+    base, or whose files no longer match the sha256 in its stamp, is never
+    silently replaced: the error names the command to run.
     """
-    pdir = patches_dir()
-    root = torch_root()
+    root, pdir = installed_series()
     check_upstream(root, read_base(pdir))
     stamp = read_stamp(VENDORED_DIR)
     if stamp is None:
         try:
-            vendor()
+            vendor(VENDORED_DIR, root, pdir)
+        except PermissionError as e:
+            raise VendorError(
+                f"cannot generate {VENDORED_DIR}: {e}. torch_fsdp_ext generates it on "
+                "first import when it was not generated at install time. Fix: import "
+                "torch_fsdp_ext once as a user who can write to "
+                f"{PACKAGE_DIR} (e.g. the one who installed it), or install "
+                "torch_fsdp_ext into an environment you own"
+            ) from e
         except OSError as e:
             raise VendorError(
                 f"cannot generate {VENDORED_DIR} ({e}). Fix: reinstall torch_fsdp_ext "
@@ -380,9 +478,15 @@ def ensure_vendored() -> None:
                 "pip install --no-build-isolation ."
             ) from e
         return
+    fix = "Fix: python tools/vendor.py (in a source checkout) or reinstall torch_fsdp_ext"
     if stamp.get("series_digest") != series_digest(pdir):
         raise VendorError(
-            f"the generated {VENDORED_DIR} is stale: it was generated from a different "
-            f"patch series than {pdir}. Fix: python tools/vendor.py "
-            "(in a source checkout) or reinstall torch_fsdp_ext"
+            f"the generated {VENDORED_DIR} is stale: it was generated for torch "
+            f"{stamp.get('torch_version')} from a different patch series than {pdir}. {fix}"
+        )
+    damaged = _damaged_files(VENDORED_DIR, stamp)
+    if damaged:
+        raise VendorError(
+            f"the generated {VENDORED_DIR} was changed after generation: {damaged} "
+            f"missing, edited or unexpected (it is derived and never edited by hand). {fix}"
         )
