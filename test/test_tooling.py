@@ -501,6 +501,21 @@ class TestPatchToolingBases(_TempRepoTestCase):
             self.assertNotIn(only, _vendor.rewrites_for(INSTALLED))
             self.assertEqual(len(_vendor.rewrites_for(INSTALLED)), len(_vendor.REWRITES) - 1)
 
+    def test_torch_wheel_is_a_source_of_pristine_files(self):
+        """Tests that --torch accepts a torch wheel: check_patches.py passes with the
+        installed torch's files packed as one, and the generated-copy check is skipped."""
+        repo = self.new_repo()
+        wheel = self.tmp / f"torch-{INSTALLED}-cp311-cp311-linux_x86_64.whl"
+        site = Path(torch.__file__).parent.parent
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.write(site / "torch/version.py", "torch/version.py")
+            for path in (site / "torch/distributed/fsdp/_fully_shard").glob("*.py"):
+                zf.write(path, str(path.relative_to(site)))
+        proc = run(repo, "tools/check_patches.py", "--torch", str(wheel))
+        self.assertSucceeds(proc)
+        self.assertIn("ok: export round trip is a no-op", proc.stdout)
+        self.assertIn("skipped: the generated copy", proc.stdout)
+
     def test_base_other_than_torch_names_fix(self):
         """Tests that --base naming a release other than the given torch names --torch as the fix."""
         repo = self.new_repo()

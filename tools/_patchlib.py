@@ -8,6 +8,7 @@ The tools must run when the generated copy is missing or stale, so they load
 from __future__ import annotations
 
 import argparse
+import atexit
 import email
 import email.policy
 import importlib.util
@@ -90,6 +91,7 @@ def torch_from_wheel(wheel: Path) -> Path:
     """Extract what the tools read from a torch wheel (``version.py`` and the
     ``_fully_shard`` files) into a temporary directory; return its ``torch/``."""
     tmp = Path(tempfile.mkdtemp(prefix="torch_fsdp_ext-wheel-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     with zipfile.ZipFile(wheel) as zf:
         wanted = [
             name
