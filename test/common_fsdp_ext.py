@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.distributed.fsdp as upstream_fsdp
 import torch.distributed.fsdp._fully_shard._fsdp_common as upstream_common
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcessTestCase
@@ -29,6 +28,9 @@ from torch.testing._internal.common_fsdp import run_subtests
 from torch.testing._internal.common_utils import TestCase
 
 import torch_fsdp_ext
+
+# The tests take the residual MLP stack from here; it lives in _testing, shared with the bench
+from torch_fsdp_ext._testing.models import Block, Model  # noqa: F401
 
 DEVICE_TYPE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "nccl" if DEVICE_TYPE == "cuda" else "gloo"
@@ -250,33 +252,6 @@ def on_fsdp_modules(fn: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Non
                 fn(module)
 
     return apply
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.w1 = nn.Linear(dim, hidden)
-        self.w2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(F.gelu(self.w1(self.norm(x))))
-
-
-class Model(nn.Module):
-    """A residual MLP stack: ``fully_shard`` goes on each block, then the root."""
-
-    def __init__(self, dim: int, hidden: int, num_blocks: int = 2):
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(num_blocks))
-        self.out = nn.Linear(dim, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
 
 
 @dataclass

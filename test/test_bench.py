@@ -1,4 +1,4 @@
-"""Smoke test of ``tools/bench.py --quick``, run as a new user runs it.
+"""Smoke test of ``tools/bench --quick``, run as a new user runs it.
 
 Checks what the bench writes and the counts that do not depend on timing;
 it asserts nothing about step times (CONTRIBUTING.md: performance claims
@@ -40,7 +40,7 @@ class TestBenchQuick(TestCase):
         cls.proc = subprocess.run(
             [
                 sys.executable,
-                "tools/bench.py",
+                "tools/bench",
                 "--quick",
                 "--out",
                 str(cls.out),
@@ -106,6 +106,27 @@ class TestBenchQuick(TestCase):
         fake = next(run for run in report["runs"] if run["pg"] == "fake")
         self.assertEqual([e["config"]["num_params"] for e in fake["sweep"]], [4, 64, 256])
         self.assertTrue(report["targets"])
+
+    def test_moe_on_fake_process_group(self):
+        """Tests that the fake run holds the MoE model with every mode and its peaks,
+        that its per-parameter collectives carry the tensors of grouped's and more
+        (experts and dense parameters each per tensor), coalesced or one op per
+        tensor, and that no target row is about it."""
+        report = self._report()
+        fake = next(run for run in report["runs"] if run["pg"] == "fake")
+        modes = next(e for e in fake["models"] if e["model"] == "moe")["modes"]
+        self.assertEqual(set(modes), MODES)
+        for stats in modes.values():
+            self.assertLessEqual(MODE_KEYS, set(stats))
+            self.assertGreater(stats["bwd_peak_bytes"], 0)
+        coalesced = modes["per-param"]["collectives"]
+        uncoalesced = modes["per-param-nocoalesce"]["collectives"]
+        grouped = modes["grouped"]["collectives"]
+        self.assertEqual(coalesced["ops"], grouped["ops"])
+        self.assertGreater(coalesced["tensors"], grouped["tensors"])
+        self.assertEqual(uncoalesced["ops"], uncoalesced["tensors"])
+        self.assertEqual(coalesced["tensors"], uncoalesced["tensors"])
+        self.assertNotIn("moe", {t["model"] for t in report["targets"]})
 
     def test_per_param_copies_nothing_for_even_fp32_transformer(self):
         """Tests that per-parameter collectives write no FSDP-side copy bytes

@@ -41,7 +41,11 @@ LAYOUT = (
     "test/upstream",
 )
 BUILD_LAYOUT = ("setup.py", "pyproject.toml", "README.md")
-TOOLS = sorted(p.name for p in (REPO / "tools").glob("*.py") if not p.name.startswith("_"))
+# The scripts tools/*.py and the packages tools/NAME/ that run as scripts (__main__.py)
+TOOLS = sorted(
+    [p.name for p in (REPO / "tools").glob("*.py") if not p.name.startswith("_")]
+    + [p.parent.name for p in (REPO / "tools").glob("*/__main__.py")]
+)
 VENDORED = Path("torch_fsdp_ext/_fully_shard")
 # A fixed git identity, so apply_to_pytorch.py (which commits as the user) also
 # works where no identity is configured.
@@ -158,8 +162,10 @@ class TestPatchToolingCheck(_TempRepoTestCase):
 
     @pytest.mark.slow
     def test_every_tool_answers_help(self):
-        """Tests that every tools/*.py not starting with _ answers --help with exit 0."""
+        """Tests that every tools/*.py not starting with _, and every package in tools/
+        run as a script, answers --help with exit 0."""
         self.assertIn("check_patches.py", TOOLS)
+        self.assertIn("bench", TOOLS)
         for tool in TOOLS:
             with self.subTest(tool=tool):
                 proc = run(self.repo, f"tools/{tool}", "--help")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch._C._profiler import _EventType
 from torch.profiler import record_function
+
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 def walk_events(events) -> Iterator:
@@ -19,13 +21,21 @@ def walk_events(events) -> Iterator:
         yield event
 
 
-def profile_step(model: nn.Module, inp: torch.Tensor) -> torch.profiler.profile:
+def sum_loss(model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    """The default loss of a measured step: the sum of the model's output."""
+    return model(inp).sum()
+
+
+def profile_step(
+    model: nn.Module, inp: torch.Tensor, loss_fn: LossFn = sum_loss
+) -> torch.profiler.profile:
     """Profiles memory over a warm-up step (lazy init) and one measured step,
-    marked ``{warmup,measured}_{forward,backward}`` with ``record_function``."""
+    marked ``{warmup,measured}_{forward,backward}`` with ``record_function``;
+    the forward is ``loss_fn(model, inp)``."""
     with torch.profiler.profile(profile_memory=True) as prof:
         for step in ("warmup", "measured"):
             with record_function(f"{step}_forward"):
-                loss = model(inp).sum()
+                loss = loss_fn(model, inp)
             with record_function(f"{step}_backward"):
                 loss.backward()
             del loss
@@ -34,8 +44,11 @@ def profile_step(model: nn.Module, inp: torch.Tensor) -> torch.profiler.profile:
     return prof
 
 
-def step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
-    """Runs a warm-up step (lazy init), then one measured forward and backward.
+def step_peak_bytes(
+    model: nn.Module, inp: torch.Tensor, loss_fn: LossFn = sum_loss
+) -> tuple[int, int]:
+    """Runs a warm-up step (lazy init), then one measured forward
+    (``loss_fn(model, inp)``) and backward.
 
     Returns the peak allocated bytes during the measured forward and during
     the measured backward, each counted from the allocated bytes at the start
@@ -44,7 +57,7 @@ def step_peak_bytes(model: nn.Module, inp: torch.Tensor) -> tuple[int, int]:
     running total carries over from earlier profiler sessions, hence the
     baseline taken from the measured step's first allocation.
     """
-    prof = profile_step(model, inp)
+    prof = profile_step(model, inp, loss_fn)
     events = list(walk_events(prof.profiler.kineto_results.experimental_event_tree()))
     spans = {e.name: (e.start_time_ns, e.end_time_ns) for e in events}
     allocations = sorted(

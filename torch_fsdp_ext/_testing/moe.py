@@ -1,5 +1,5 @@
 """A tiny DeepSeek-V3-like MoE transformer with expert parallelism, sharded
-three ways with FSDP2; shared by ``tools/moe_demo.py``, ``tools/bench.py`` and
+three ways with FSDP2; shared by ``tools/moe_demo.py``, ``tools/bench/`` and
 ``test/test_fully_shard_moe.py``.
 
 Layout, as torchtitan builds it: a world mesh with dims ``("efsdp", "ep")``.
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as upstream_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -296,21 +297,28 @@ def expert_placement(meshes: MoEMeshes) -> torch_fsdp_ext.ShardPlacementResult:
     return torch_fsdp_ext.ShardPlacementResult(Shard(1), mesh=meshes.efsdp)
 
 
-def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETransformer:
+def shard_model(
+    model: MoETransformer, mode: str, meshes: MoEMeshes, *, upstream: bool = False
+) -> MoETransformer:
     """Shard every block, then the root, the way ``mode`` (one of :data:`MODES`) says.
 
     Every FSDP module divides gradients by the dp size, as torchtitan's
     ``fsdp_gradient_divide_factor``: an expert's gradient already sums the
     tokens of its whole ep group (the backward of the token all-gather), so
     dividing by the efsdp size alone would scale it by ep.
+
+    ``upstream`` shards with ``torch.distributed.fsdp.fully_shard`` instead of
+    ``torch_fsdp_ext.fully_shard``; only ``old`` can, the other wrappings need
+    per-parameter meshes.
     """
+    if upstream and mode != "old":
+        raise ValueError(f"upstream fully_shard has no per-parameter meshes for mode {mode!r}")
     if mode == "old":
+        fully_shard = upstream_fsdp.fully_shard if upstream else torch_fsdp_ext.fully_shard
         for layer in model.layers:
-            torch_fsdp_ext.fully_shard(
-                layer.moe.experts, mesh=meshes.efsdp, shard_placement_fn=lambda p: Shard(1)
-            )
-            torch_fsdp_ext.fully_shard(layer, mesh=meshes.dp)
-        torch_fsdp_ext.fully_shard(model, mesh=meshes.dp)
+            fully_shard(layer.moe.experts, mesh=meshes.efsdp, shard_placement_fn=lambda p: Shard(1))
+            fully_shard(layer, mesh=meshes.dp)
+        fully_shard(model, mesh=meshes.dp)
     elif mode in MODES:
         placement = expert_placement(meshes)
         kwargs: dict[str, Any] = {
@@ -323,11 +331,13 @@ def shard_model(model: MoETransformer, mode: str, meshes: MoEMeshes) -> MoETrans
         torch_fsdp_ext.fully_shard(model, **kwargs)
     else:
         raise ValueError(f"mode must be one of {MODES} but got {mode!r}")
-    # On CPU the built-in "cpu" FSDP backend sums, then divides, as gloo has
-    # no PREMUL_SUM
     for module in model.modules():
-        if isinstance(module, torch_fsdp_ext.FSDPModule):
+        if isinstance(module, upstream_fsdp.FSDPModule):
             module.set_gradient_divide_factor(float(meshes.dp.size()))
+            # On CPU the built-in "cpu" FSDP backend sums, then divides, as gloo
+            # has no PREMUL_SUM; upstream has no backend registry to say so
+            if upstream and meshes.dp.device_type == "cpu":
+                module.set_force_sum_reduction_for_comms(True)
     return model
 
 

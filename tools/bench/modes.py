@@ -1,0 +1,95 @@
+"""The five ways the bench shards a model (upstream, grouped, per-parameter
+coalesced or not, deterministic): what each mode is, how it applies
+``fully_shard`` to a dense model or to the MoE transformer, and the coalescing
+choice a per-parameter mode makes through the public FSDP backend registry."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch.distributed.fsdp as upstream_fsdp
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import torch_fsdp_ext
+from torch_fsdp_ext._testing import moe
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    upstream: bool = False
+    group_collectives: bool = True
+    # None: not a per-parameter mode; True/False: coalesce a group's collectives
+    coalesce: bool | None = None
+    deterministic: bool = False
+
+
+MODES = [
+    Mode("upstream", upstream=True),
+    Mode("grouped"),
+    Mode("per-param", group_collectives=False, coalesce=True),
+    Mode("per-param-nocoalesce", group_collectives=False, coalesce=False),
+    Mode("deterministic", group_collectives=False, coalesce=True, deterministic=True),
+]
+MODES_BY_NAME = {m.name: m for m in MODES}
+SWEEP_MODES = ["grouped", "per-param", "per-param-nocoalesce"]
+
+
+@contextlib.contextmanager
+def coalescing(mode: Mode, device_type: str) -> Iterator[None]:
+    """For a per-parameter mode, registers for ``device_type`` a copy of its
+    FSDP backend (or of the defaults if none) with ``supports_coalescing =
+    mode.coalesce``, and restores the previous registration on exit.
+
+    FSDP reads the flag at every collective and it overrides the decision by
+    the process group's backend, so ``True`` also coalesces on the fake
+    process group. The copy keeps the backend's other fields (the built-in
+    "cpu" backend has no PREMUL_SUM).
+    """
+    if mode.coalesce is None:
+        yield
+        return
+    previous = torch_fsdp_ext.get_fsdp_backend(device_type)
+    backend = dataclasses.replace(
+        previous or torch_fsdp_ext.FSDPBackend(), supports_coalescing=mode.coalesce
+    )
+    torch_fsdp_ext.register_fsdp_backend(device_type, backend, override=True)
+    try:
+        yield
+    finally:
+        if previous is None:
+            torch_fsdp_ext.unregister_fsdp_backend(device_type)
+        else:
+            torch_fsdp_ext.register_fsdp_backend(device_type, previous, override=True)
+
+
+def shard(model: nn.Module, mode: Mode, wrap: list[nn.Module], mesh: DeviceMesh) -> nn.Module:
+    """Applies ``fully_shard`` to each of ``wrap`` (modules of ``model``), then to ``model``."""
+    if mode.upstream:
+        fully_shard, kwargs = upstream_fsdp.fully_shard, {}
+    else:
+        fully_shard = torch_fsdp_ext.fully_shard
+        kwargs = {"group_collectives": mode.group_collectives}
+    for module in wrap:
+        fully_shard(module, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    if mode.deterministic:
+        moe.set_deterministic_reduce_scatter(model)
+    return model
+
+
+def shard_moe(model: moe.MoETransformer, mode: Mode, meshes: moe.MoEMeshes) -> nn.Module:
+    """Shards the MoE transformer: upstream with the separate experts module
+    (``moe``'s "old" wrapping), the other modes with one ``fully_shard`` per
+    block and expert parameters on the efsdp mesh."""
+    if mode.upstream:
+        moe.shard_model(model, "old", meshes, upstream=True)
+    else:
+        moe.shard_model(model, "grouped" if mode.group_collectives else "per-param", meshes)
+    if mode.deterministic:
+        moe.set_deterministic_reduce_scatter(model)
+    return model

@@ -1,0 +1,203 @@
+"""The report: machine and load information, time ratios to upstream and to
+grouped, the per-parameter targets (stated for gloo at W=4) and the markdown
+tables."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .measure import MiB
+from .models import SWEEP_BATCH, SWEEP_TOTAL_NUMEL
+from .modes import SWEEP_MODES
+
+TARGET_COPY_FRACTION = 0.05
+TARGET_RS_BUFFER_FRACTION = 0.9
+TARGET_TIME_RATIO = 1.05
+# Name prefixes of the models the targets are checked on
+TARGET_MODELS = ("llama", "mlp")
+
+
+def loadavg() -> str | None:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return None
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError, ValueError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages / (1 << 30), 1)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def add_ratios(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        for entry in [*run["models"], *run["sweep"]]:
+            modes = entry["modes"]
+            ref = modes.get("upstream", modes.get("grouped"))["step_time_s"]["median"]
+            grouped = modes["grouped"]["step_time_s"]["median"]
+            for stats in modes.values():
+                median = stats["step_time_s"]["median"]
+                stats["time_ratio_to_upstream"] = median / ref if "upstream" in modes else None
+                stats["time_ratio_to_grouped"] = median / grouped
+
+
+def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-parameter targets, for the Llama-like models and mlp in every
+    run (they are stated for gloo at W=4)."""
+    rows = []
+    for run in runs:
+        for entry in run["models"]:
+            if not entry["model"].startswith(TARGET_MODELS):
+                continue
+            modes = entry["modes"]
+            per_param, grouped = modes["per-param"], modes["grouped"]
+            where = {"pg": run["pg"], "world_size": run["world_size"], "model": entry["model"]}
+            rs_buffer = max(entry["reduce_scatter_buffer_bytes"])
+            copy_limit = TARGET_COPY_FRACTION * grouped["copy_bytes"]
+            mem_limit = grouped["bwd_peak_bytes"] - TARGET_RS_BUFFER_FRACTION * rs_buffer
+            time_ratio = per_param["time_ratio_to_grouped"]
+            rows += [
+                {
+                    **where,
+                    "target": "per-param copy bytes <= 5% of grouped",
+                    "value": per_param["copy_bytes"],
+                    "limit": copy_limit,
+                    "met": per_param["copy_bytes"] <= copy_limit,
+                },
+                {
+                    **where,
+                    "target": "per-param bwd peak <= grouped - 0.9 x RS buffer",
+                    "value": per_param["bwd_peak_bytes"],
+                    "limit": mem_limit,
+                    "rs_buffer_bytes": rs_buffer,
+                    "saving_in_rs_buffers": (
+                        grouped["bwd_peak_bytes"] - per_param["bwd_peak_bytes"]
+                    )
+                    / rs_buffer,
+                    "met": per_param["bwd_peak_bytes"] <= mem_limit,
+                },
+                {
+                    **where,
+                    "target": "per-param / grouped step time <= 1.05",
+                    "value": time_ratio,
+                    "limit": TARGET_TIME_RATIO,
+                    "met": time_ratio <= TARGET_TIME_RATIO,
+                },
+            ]
+    return rows
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:.2f}"
+
+
+def _ms(stats: dict[str, Any]) -> str:
+    return f"{stats['median'] * 1e3:.1f} [{stats['q1'] * 1e3:.1f}-{stats['q3'] * 1e3:.1f}]"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    machine = meta["machine"]
+    lines = [
+        "# tools/bench results",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {machine.get('cpu_model', '?')}, {machine['cpus']} CPUs, "
+        f"{machine.get('memory_gib', '?')} GiB, {machine['platform']}; torch {machine['torch']}"
+        + (f"; GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else "")
+        + ".",
+        f"Load average at start / end: `{meta['loadavg_start']}` / `{meta['loadavg_end']}`. "
+        f"Total {meta['wall_s']:.0f} s.",
+        "",
+        "Step time: median [quartiles] in ms over the timed steps of one training step "
+        "(forward, backward, AdamW, zero_grad), the slowest rank per step. Peaks: bytes "
+        "allocated above the step's start, in forward and in backward. Copies: bytes "
+        "written by FSDP-side copy ops in one forward+backward; backend copies: those the "
+        "process group dispatches when a collective completes (gloo's reduce-scatter "
+        "copy-out). Collectives: ops issued / tensors / MiB of payload (all-gather outputs, "
+        "reduce-scatter and all-to-all inputs) in one forward+backward.",
+        "",
+    ]
+    for run in report["runs"]:
+        lines += [
+            f"## {run['pg']}, world size {run['world_size']} ({run['device']}, "
+            f"{run['threads_per_rank']} thread(s) per rank, {run['warmup_steps']} warm-up + "
+            f"{run['timed_steps']} timed steps, load {run['loadavg_start']})",
+            "",
+            "| model | mode | step ms | vs upstream | vs grouped | fwd peak MiB | "
+            "bwd peak MiB | copy MiB | backend copy MiB | collectives ops / tensors / MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for entry in run["models"]:
+            for name, stats in entry["modes"].items():
+                coll = stats["collectives"]
+                lines.append(
+                    f"| {entry['model']} | {name} | {_ms(stats['step_time_s'])} | "
+                    f"{_ratio(stats['time_ratio_to_upstream'])} | "
+                    f"{_ratio(stats['time_ratio_to_grouped'])} | "
+                    f"{_mib(stats['fwd_peak_bytes'])} | {_mib(stats['bwd_peak_bytes'])} | "
+                    f"{_mib(stats['copy_bytes'])} | {_mib(stats['backend_copy_bytes'])} | "
+                    f"{coll['ops']} / {coll['tensors']} / {_mib(coll['bytes'])} |"
+                )
+        if run["sweep"]:
+            lines += [
+                "",
+                f"Sweep: one group of n square params, {SWEEP_TOTAL_NUMEL} elements in all, "
+                f"batch {SWEEP_BATCH}; step ms median [quartiles] and ratio to grouped.",
+                "",
+                "| params per group | " + " | ".join(SWEEP_MODES) + " |",
+                "|---|" + "---|" * len(SWEEP_MODES),
+            ]
+            for entry in run["sweep"]:
+                cells = [
+                    f"{_ms(entry['modes'][m]['step_time_s'])} "
+                    f"(x{entry['modes'][m]['time_ratio_to_grouped']:.3f})"
+                    for m in SWEEP_MODES
+                ]
+                lines.append(f"| {entry['config']['num_params']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "## Per-parameter targets (stated for gloo at W=4; Llama-like models and mlp)",
+        "",
+        "| pg | W | model | target | value | limit | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in report["targets"]:
+        if "bytes" in t["target"] or "peak" in t["target"]:
+            value, limit = f"{_mib(t['value'])} MiB", f"{_mib(t['limit'])} MiB"
+            if "saving_in_rs_buffers" in t:
+                value += f" (saves {t['saving_in_rs_buffers']:.2f} RS buffers)"
+        else:
+            value, limit = f"{t['value']:.3f}", f"{t['limit']:.2f}"
+        lines.append(
+            f"| {t['pg']} | {t['world_size']} | {t['model']} | {t['target']} | {value} | "
+            f"{limit} | {'yes' if t['met'] else 'NO'} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
