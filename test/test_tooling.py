@@ -39,6 +39,7 @@ LAYOUT = (
     "torch_fsdp_ext/__init__.py",
     "torch_fsdp_ext/_testing",
     "test/upstream",
+    "test/conftest.py",
 )
 BUILD_LAYOUT = ("setup.py", "pyproject.toml", "README.md")
 # The scripts tools/*.py and the packages tools/NAME/ that run as scripts (__main__.py)
@@ -223,6 +224,15 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         proc = run(repo, "tools/check_patches.py")
         self.assertFails(proc, "pip install torch==1.0.0")
 
+    def test_vendor_refuses_a_foreign_dest(self):
+        """Tests that vendor.py --dest never replaces a non-empty directory it did not generate."""
+        dest = self.tmp / "mine"
+        dest.mkdir()
+        (dest / "notes.txt").write_text("keep me\n")
+        proc = run(self.repo, "tools/vendor.py", "--dest", str(dest))
+        self.assertFails(proc, "holds no VENDORED.json")
+        self.assertEqual((dest / "notes.txt").read_text(), "keep me\n")
+
     def test_stale_generated_copy(self):
         """Tests that a hand-edited generated file fails the check and names tools/vendor.py."""
         repo = self.new_repo(vendored=True)
@@ -326,6 +336,23 @@ class TestPatchToolingImport(_TempRepoTestCase):
         proc = run(repo, "-c", "import torch_fsdp_ext")
         self.assertFails(proc, "VendorError", "['_fsdp_api.py']", "python tools/vendor.py")
         self.assertNotIn("ModuleNotFoundError", proc.stdout)
+
+    def test_copy_without_stamp_refused_at_import(self):
+        """Tests that a generated copy whose stamp is gone is refused, not silently regenerated."""
+        repo = self.new_repo(vendored=True)
+        (repo / VENDORED / "VENDORED.json").unlink()
+        proc = run(repo, "-c", "import torch_fsdp_ext")
+        self.assertFails(proc, "has no readable VENDORED.json", "python tools/vendor.py")
+
+    def test_installed_package_names_removal_as_the_fix(self):
+        """Tests that outside a source checkout (the series in _patches, as in a wheel)
+        a stale copy names removing it as the fix, since reinstalling keeps it."""
+        repo = self.new_repo(vendored=True)
+        (repo / "patches").rename(repo / "torch_fsdp_ext" / "_patches")
+        with open(repo / "torch_fsdp_ext" / "_patches" / INSTALLED / "series", "a") as f:
+            f.write("# a comment changes the series digest too\n")
+        proc = run(repo, "-c", "import torch_fsdp_ext")
+        self.assertFails(proc, "is stale", f"Fix: remove {repo / VENDORED}")
 
     def test_unsupported_torch_lists_supported_versions(self):
         """Tests that a torch with no series fails import with the supported versions and pip command."""
@@ -472,8 +499,14 @@ class TestPatchToolingBases(_TempRepoTestCase):
         proc = run(repo, "tools/port.py", "start", "--to", str(new_torch), "--dir", str(ws))
         self.assertFails(proc, "conflict while carrying", "_fully_shard.py", "port.py continue")
         self.assertFalse((repo / "patches/9.9.9/series").exists())
-        # Resolve by keeping the patch's side of the conflicted file
-        git(ws, "checkout", "--theirs", "torch/distributed/fsdp/_fully_shard/_fully_shard.py")
+        # Staging the file with its conflict markers is refused
+        git(ws, "add", "-A")
+        proc = run(repo, "tools/port.py", "continue", "--dir", str(ws))
+        self.assertFails(proc, "conflict markers are still staged")
+        # Recreate the conflict and resolve it by keeping the patch's side
+        conflicted = "torch/distributed/fsdp/_fully_shard/_fully_shard.py"
+        git(ws, "checkout", "-m", conflicted)
+        git(ws, "checkout", "--theirs", conflicted)
         git(ws, "add", "-A")
         proc = run(repo, "tools/port.py", "continue", "--dir", str(ws))
         self.assertSucceeds(proc)
@@ -485,6 +518,23 @@ class TestPatchToolingBases(_TempRepoTestCase):
         self.assertSucceeds(proc)
         self.assertIn("ok: bases", proc.stdout)
         self.assertIn("skipped: the generated copy", proc.stdout)
+
+    def test_base_specific_upstream_test_replaces_the_common_one(self):
+        """Tests that pytest collects test/upstream/<installed>/test_x.py instead of
+        test/upstream/test_x.py, and never another base's version."""
+        repo = self.new_repo(vendored=True)
+        name = "test_fully_shard_backend.py"
+        for version, test in ((INSTALLED, "test_this_base"), ("9.9.9", "test_other_base")):
+            (repo / "test/upstream" / version).mkdir()
+            (repo / "test/upstream" / version / name).write_text(f"def {test}():\n    pass\n")
+        proc = run(
+            repo, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "test/upstream"
+        )
+        self.assertSucceeds(proc)
+        self.assertIn(f"test/upstream/{INSTALLED}/{name}::test_this_base", proc.stdout)
+        self.assertNotIn("test_other_base", proc.stdout)
+        self.assertNotIn(f"test/upstream/{name}::", proc.stdout)
+        self.assertIn("test/upstream/test_fully_shard_group_collectives.py::", proc.stdout)
 
     def test_rewrite_count_drift_fails_generation(self):
         """Tests that a rewrite whose target occurs another number of times fails generation loudly."""

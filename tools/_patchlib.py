@@ -116,11 +116,13 @@ def torch_at(path: Path) -> Path:
 
 
 def add_base_arguments(parser: argparse.ArgumentParser, *, torch: bool = True) -> None:
+    """``--base VERSION`` and, with ``torch``, ``--torch PATH`` (see :func:`resolve_target`)."""
+    default = "that of --torch, else the installed torch" if torch else "the installed torch"
     parser.add_argument(
         "--base",
         metavar="VERSION",
-        help="torch release whose series to use (default: that of --torch, else the "
-        f"installed torch); one of the directories in {PATCHES}",
+        help=f"torch release whose series to use (default: {default}); one of "
+        f"{', '.join(vendor.supported_versions(PATCHES))}",
     )
     if torch:
         parser.add_argument(
@@ -134,10 +136,10 @@ def add_base_arguments(parser: argparse.ArgumentParser, *, torch: bool = True) -
 
 def resolve_target(args: argparse.Namespace) -> Target:
     """The base named by ``--base``/``--torch``; the installed torch by default."""
-    installed = vendor.torch_root() if getattr(args, "torch", None) is None else None
+    installed = vendor.torch_root() if args.torch is None else None
     root = installed or torch_at(args.torch)
     have = vendor.release(vendor.installed_torch_version(root))
-    version = args.base or have
+    version = checked_base(args.base) or have
     pdir = vendor.patches_dir(version, PATCHES)
     if have != version:
         raise vendor.VendorError(
@@ -149,7 +151,16 @@ def resolve_target(args: argparse.Namespace) -> Target:
     return Target(version, pdir, root, installed is not None)
 
 
+def checked_base(version: str | None) -> str | None:
+    """``version`` if it has a series (or None); otherwise exit naming the supported ones."""
+    supported = vendor.supported_versions(PATCHES)
+    if version is not None and version not in supported:
+        raise vendor.VendorError(f"--base {version}: no series; one of {', '.join(supported)}")
+    return version
+
+
 def workspace_dir(version: str) -> Path:
+    """The default workspace of a base."""
     return WORKSPACES / version
 
 
@@ -163,6 +174,7 @@ def copy_base_files(path: Path, root: Path, files: dict[str, str]) -> None:
 
 
 def commit_base(path: Path, version: str, commit: str) -> None:
+    """Commit the working tree of ``path`` as the pristine files of torch ``version``."""
     git(path, "add", "-A")
     git(
         path,

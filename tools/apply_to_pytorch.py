@@ -13,7 +13,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from _patchlib import PATCHES, add_base_arguments, am_series, git, log, setup_logging, vendor
+from _patchlib import (
+    PATCHES,
+    add_base_arguments,
+    am_series,
+    checked_base,
+    git,
+    log,
+    setup_logging,
+    vendor,
+)
 
 
 def apply(checkout: Path, version: str) -> None:
@@ -46,8 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging()
     try:
-        version = args.base or vendor.release(vendor.installed_torch_version(vendor.torch_root()))
-        apply(args.checkout, version)
+        apply(args.checkout, checked_base(args.base) or vendor.installed_release())
     except vendor.VendorError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -46,6 +46,9 @@ def check_bases_agree() -> list[str]:
     want = patch_subjects(vendor.patches_dir(primary, PATCHES))
     for version in vendor.supported_versions(PATCHES):
         pdir = vendor.patches_dir(version, PATCHES)
+        pinned = vendor.read_base(pdir).torch_version
+        if pinned != version:
+            errors.append(f"patches/{version}/base.toml pins torch {pinned}; rename one of them")
         have = patch_subjects(pdir)
         if have != want:
             errors.append(
@@ -57,15 +60,27 @@ def check_bases_agree() -> list[str]:
         in_series = series_test_files(pdir)
         for rel in sorted(tests.keys() | in_series.keys()):
             if rel not in in_series:
-                errors.append(f"patches/{version} lacks {rel}. Fix: workspace.py sync-tests")
+                errors.append(
+                    f"patches/{version} lacks {rel}. "
+                    f"Fix: tools/workspace.py sync-tests --base {version}, commit, export"
+                )
             elif rel not in tests:
-                errors.append(f"patches/{version} adds {rel}, which has no project source")
+                errors.append(
+                    f"patches/{version} adds {rel}, which has no project source. Fix: add it "
+                    "to test/upstream/, or drop it from the series (tools/workspace.py)"
+                )
             elif in_series[rel] != tests[rel]:
                 errors.append(
                     f"{rel} in patches/{version} differs from its project source in "
-                    "test/upstream/. Fix: tools/workspace.py --base "
-                    f"{version} sync-tests, commit, export"
+                    "test/upstream/. Fix: tools/workspace.py sync-tests --base "
+                    f"{version}, commit, export"
                 )
+    unknown = sorted(
+        {b for rw in vendor.REWRITES for b in rw.bases or ()}
+        - set(vendor.supported_versions(PATCHES))
+    )
+    if unknown:
+        errors.append(f"REWRITES name bases with no series: {unknown}")
     if not errors:
         log.info(
             "ok: bases %s carry the same %d patch subjects and upstream tests",
@@ -133,11 +148,14 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging()
     errors = []
-    for step in (check_bases_agree, lambda: check_base(resolve_target(args), args.vendored_dir)):
-        try:
-            errors += step()
-        except vendor.VendorError as e:
-            errors.append(str(e))
+    try:
+        errors += check_bases_agree()
+    except vendor.VendorError as e:
+        errors.append(str(e))
+    try:
+        errors += check_base(resolve_target(args), args.vendored_dir)
+    except vendor.VendorError as e:
+        errors.append(str(e))
     for error in errors:
         log.error("FAIL: %s", error)
     raise SystemExit(1 if errors else 0)

@@ -48,8 +48,12 @@ from _patchlib import (
 STATE = "torch_fsdp_ext_port.json"
 
 
+def _git_dir(ws: Path) -> Path:
+    return ws / git(ws, "rev-parse", "--git-dir").stdout.strip()
+
+
 def _state_path(ws: Path) -> Path:
-    return ws / git(ws, "rev-parse", "--git-dir").stdout.strip() / STATE
+    return _git_dir(ws) / STATE
 
 
 def start(args: argparse.Namespace) -> None:
@@ -109,8 +113,7 @@ def cont(args: argparse.Namespace) -> None:
 
 
 def _rebasing(ws: Path) -> bool:
-    git_dir = ws / git(ws, "rev-parse", "--git-dir").stdout.strip()
-    return (git_dir / "rebase-merge").exists() or (git_dir / "rebase-apply").exists()
+    return any((_git_dir(ws) / name).exists() for name in ("rebase-merge", "rebase-apply"))
 
 
 def _finish_or_stop(ws: Path, returncode: int) -> None:
@@ -129,16 +132,11 @@ def _finish_or_stop(ws: Path, returncode: int) -> None:
     pdir = PATCHES / state["to"]
     write_base_toml(pdir, state["to"], state["commit"], state["files"])
     export_series(ws, pdir)
+    to = state["to"]
     log.info(
-        "torch %s: patches/%s written. Next: python tools/check_patches.py --base %s "
-        "--torch <torch %s>; add %s to the torch range in pyproject.toml; "
-        "bash tools/setup_and_test.sh --base %s",
-        state["to"],
-        state["to"],
-        state["to"],
-        state["to"],
-        state["to"],
-        state["to"],
+        f"torch {to}: patches/{to} written. Next: python tools/check_patches.py --base {to} "
+        f"--torch <torch {to}>; add {to} to the torch range in pyproject.toml; "
+        f"bash tools/setup_and_test.sh --base {to}"
     )
 
 

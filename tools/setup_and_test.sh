@@ -9,7 +9,7 @@ usage="usage: bash tools/setup_and_test.sh [--base VERSION] [pytest args...]
         in patches/bases.toml). The primary base gets .venv, others .venv-VERSION.
 Extra arguments go to pytest."
 cd "$(dirname "$0")/.."
-primary=$(sed -n 's/^primary = "\(.*\)"/\1/p' patches/bases.toml)
+primary=$(python3 -c 'import tomllib; print(tomllib.load(open("patches/bases.toml", "rb"))["primary"])')
 base=$primary
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   sed -n '2,4s/^# //p' "$0"

@@ -31,6 +31,11 @@ def main() -> None:
                 f"that has torch {target.version}"
             )
         dest = args.dest or vendor.VENDORED_DIR
+        # The old tree is replaced whole: never a directory this tool did not make
+        if dest.is_dir() and any(dest.iterdir()) and vendor.read_stamp(dest) is None:
+            raise vendor.VendorError(
+                f"{dest} is not empty and holds no {vendor.STAMP_NAME}; pass a new or empty --dest"
+            )
         wrote = vendor.vendor(dest, target.root, target.pdir)
     except vendor.VendorError as e:
         raise SystemExit(f"error: {e}") from None

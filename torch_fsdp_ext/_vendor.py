@@ -243,6 +243,11 @@ def installed_torch_version(root: Path) -> str:
     return _version_py_field(root, "__version__")
 
 
+def installed_release() -> str:
+    """The release of the installed torch, e.g. ``2.14.1`` for ``2.14.1+cu130``."""
+    return release(installed_torch_version(torch_root()))
+
+
 def torch_commit(root: Path) -> str:
     """The upstream commit a torch build was made from."""
     return _version_py_field(root, "git_version")
@@ -288,7 +293,7 @@ def series_digest(pdir: Path) -> str:
     h = hashlib.sha256()
     for path in [pdir / "base.toml", pdir / "series", *read_series(pdir)]:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(repr(rewrites_for(pdir.name)).encode())
+    h.update(repr(rewrites_for(read_base(pdir).torch_version)).encode())
     return h.hexdigest()
 
 
@@ -397,7 +402,7 @@ def write(dest: Path, files: dict[str, bytes]) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if old is not None:
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def installed_series() -> tuple[Path, Path]:
@@ -459,8 +464,15 @@ def ensure_vendored() -> None:
     """
     root, pdir = installed_series()
     check_upstream(root, read_base(pdir))
-    stamp = read_stamp(VENDORED_DIR)
-    if stamp is None:
+    # A wheel built without torch, or an editable install, generates at first
+    # import; such a copy is not in pip's RECORD, so reinstalling never replaces
+    # it: outside a source checkout the fix is to remove it
+    fix = (
+        "Fix: python tools/vendor.py"
+        if patches_root() != PACKAGE_DIR / "_patches"
+        else f"Fix: remove {VENDORED_DIR} (the next import generates it again)"
+    )
+    if not VENDORED_DIR.exists():
         try:
             vendor(VENDORED_DIR, root, pdir)
         except PermissionError as e:
@@ -478,11 +490,17 @@ def ensure_vendored() -> None:
                 "pip install --no-build-isolation ."
             ) from e
         return
-    fix = "Fix: python tools/vendor.py (in a source checkout) or reinstall torch_fsdp_ext"
+    stamp = read_stamp(VENDORED_DIR)
+    if stamp is None:
+        raise VendorError(
+            f"the generated {VENDORED_DIR} has no readable {STAMP_NAME}, so what it was "
+            f"generated from cannot be checked. {fix}"
+        )
     if stamp.get("series_digest") != series_digest(pdir):
         raise VendorError(
             f"the generated {VENDORED_DIR} is stale: it was generated for torch "
-            f"{stamp.get('torch_version')} from a different patch series than {pdir}. {fix}"
+            f"{stamp.get('torch_version')} from another patch series than {pdir} "
+            f"(torch {installed_release()}). {fix}"
         )
     damaged = _damaged_files(VENDORED_DIR, stamp)
     if damaged:
