@@ -430,12 +430,8 @@ def _read_tree(dest: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in dest.iterdir() if p.is_file()}
 
 
-def diff(
-    dest: Path = VENDORED_DIR, root: Path | None = None, pdir: Path | None = None
-) -> list[str]:
-    """Names of generated files that differ from base + series + rewrites."""
-    if root is None or pdir is None:
-        root, pdir = installed_series()
+def diff(dest: Path, root: Path, pdir: Path) -> list[str]:
+    """Names of files in ``dest`` that differ from ``root``'s base + ``pdir`` + rewrites."""
     want = render(root, pdir)
     have = _read_tree(dest) if dest.is_dir() else {}
     return sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
