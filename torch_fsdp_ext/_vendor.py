@@ -96,8 +96,21 @@ REWRITES: tuple[Rewrite, ...] = (
             f"torch.ops.{OPS_NAMESPACE}.",
             count,
             "calls must reach the vendored copy's own ops",
+            bases,
         )
-        for file, count in (("_fsdp_collectives.py", 4), ("_fsdp_param.py", 2))
+        for file, count, bases in (
+            ("_fsdp_collectives.py", 4, ("2.13.0", "2.14.1")),
+            ("_fsdp_collectives.py", 5, ("2.15.0",)),
+            ("_fsdp_param.py", 2, None),
+        )
+    ),
+    Rewrite(
+        "_fsdp_collectives.py",
+        f"torch.ops.{OPS_NAMESPACE}.chunk_cat_mixed_dtype(",
+        "torch.ops.fsdp.chunk_cat_mixed_dtype(",
+        1,
+        "a C++ op of torch's own fsdp namespace that the vendored copy does not define",
+        bases=("2.15.0",),
     ),
     Rewrite(
         "_fsdp_backend.py",
