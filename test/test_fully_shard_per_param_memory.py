@@ -12,9 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from common_fsdp_ext import EXT, Model
-from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torch_fsdp_ext._testing.comm_recorder import CommRecorder
 from torch_fsdp_ext._testing.memory import step_peak_bytes
 
 WORLD_SIZE = 4
@@ -32,7 +38,21 @@ def reduce_scatter_input_bytes(module: nn.Module) -> int:
     return sum(p.numel() for p in params) * FP32_BYTES
 
 
-class TestFullyShardPerParamMemory(TestCase):
+def _build(group_collectives: bool, *, per_block: bool, **kwargs) -> nn.Module:
+    torch.manual_seed(42)
+    model = Model(DIM, HIDDEN, NUM_BLOCKS)
+    if per_block:
+        for block in model.blocks:
+            EXT.fully_shard(block, group_collectives=group_collectives, **kwargs)
+        EXT.fully_shard(model, group_collectives=group_collectives, **kwargs)
+    else:
+        # One group; parameters stay unsharded from step to step (ZeRO-2 style)
+        EXT.fully_shard(model, group_collectives=group_collectives, **kwargs)
+        model.set_reshard_after_backward(False)
+    return model
+
+
+class _FakeProcessGroupTestCase(TestCase):
     def setUp(self):
         super().setUp()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
@@ -41,17 +61,10 @@ class TestFullyShardPerParamMemory(TestCase):
         dist.destroy_process_group()
         super().tearDown()
 
+
+class TestFullyShardPerParamMemory(_FakeProcessGroupTestCase):
     def _peaks(self, group_collectives: bool, *, per_block: bool) -> tuple[int, int]:
-        torch.manual_seed(42)
-        model = Model(DIM, HIDDEN, NUM_BLOCKS)
-        if per_block:
-            for block in model.blocks:
-                EXT.fully_shard(block, group_collectives=group_collectives)
-            EXT.fully_shard(model, group_collectives=group_collectives)
-        else:
-            # One group; parameters stay unsharded from step to step (ZeRO-2 style)
-            EXT.fully_shard(model, group_collectives=group_collectives)
-            model.set_reshard_after_backward(False)
+        model = _build(group_collectives, per_block=per_block)
         return step_peak_bytes(model, torch.randn(BATCH, DIM))
 
     def test_peaks_with_per_block_groups(self):
@@ -91,6 +104,40 @@ class TestFullyShardPerParamMemory(TestCase):
             per_param_bwd,
             grouped_bwd - 0.9 * (input_bytes - output_bytes),
         )
+
+
+class TestFullyShardPerParamMemoryMixedPrecision(_FakeProcessGroupTestCase):
+    """bf16 parameters whose gradients are reduced in fp32: every gradient
+    needs a cast, so per-parameter mode reads none in place and makes a
+    temporary for each (the common torchtitan setting)."""
+
+    @parametrize("reduce_dtype", [torch.float32, None])
+    @parametrize("per_block", [True, False])
+    def test_copies_and_backward_peak_not_above_grouped(
+        self, reduce_dtype: torch.dtype | None, per_block: bool
+    ):
+        """Tests that the per-parameter path writes no more FSDP-side copy
+        bytes in a forward+backward than the grouped path, and that its
+        backward peak is not higher: it frees each bf16 gradient right after
+        casting it into its fp32 reduce-scatter input, so gradients plus
+        temporaries never exceed the grouped path's gradients plus its
+        buffer. With ``reduce_dtype=None``, torch 2.15 reduces in the fp32
+        ``grad_dtype``; earlier bases reduce in bf16."""
+        mp_policy = EXT.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        inp = torch.randn(BATCH, DIM)
+        copy_bytes, bwd_peaks = {}, {}
+        for group_collectives in (False, True):
+            model = _build(group_collectives, per_block=per_block, mp_policy=mp_policy)
+            _, bwd_peaks[group_collectives] = step_peak_bytes(model, inp)
+            with CommRecorder() as recorder:
+                model(inp).sum().backward()
+            copy_bytes[group_collectives] = recorder.summary()["copy_bytes"]
+        self.assertGreater(copy_bytes[True], 0)
+        self.assertLessEqual(copy_bytes[False], copy_bytes[True])
+        self.assertLessEqual(bwd_peaks[False], bwd_peaks[True])
+
+
+instantiate_parametrized_tests(TestFullyShardPerParamMemoryMixedPrecision)
 
 
 if __name__ == "__main__":

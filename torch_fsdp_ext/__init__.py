@@ -56,3 +56,11 @@ __all__ = [
     "UnshardHandle",
     "unregister_fsdp_backend",
 ]
+
+# New in torch 2.15: the handle of ``FSDPModule.finalize_backward(async_op=True)``
+from . import _fully_shard as _vendored  # noqa: E402
+
+if "GradientReductionHandle" in _vendored.__all__:
+    from ._fully_shard import GradientReductionHandle  # noqa: F401
+
+    __all__.append("GradientReductionHandle")

@@ -24,7 +24,6 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
     _get_gradient_divide_factors,
 )
-from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 
 
 @contextlib.contextmanager
@@ -53,19 +52,28 @@ class RecordingAllGather(AllGather):
 
 
 class RecordingReduceScatter(ReduceScatter):
-    """Records the storage of each input and every allocation it makes."""
+    """Records the storage of each input and every allocation it makes (and
+    keeps the allocated tensors, so that no two share an address)."""
 
     def __init__(self):
         self.input_data_ptrs: list[int] = []
         self.allocations: list[torch.Size] = []
+        self.allocated: list[torch.Tensor] = []
 
     def allocate(self, size, *, dtype, device):
         self.allocations.append(torch.Size(size))
-        return torch.empty(*size, dtype=dtype, device=device)
+        self.allocated.append(torch.empty(*size, dtype=dtype, device=device))
+        return self.allocated[-1]
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.input_data_ptrs.append(input_tensor.data_ptr())
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+
+
+class GradientReadingReduceScatter(RecordingReduceScatter):
+    """Opts in to receiving gradients themselves as inputs."""
+
+    accepts_gradient_input = True
 
 
 class TestFullyShardBackendRegistry(TestCase):
@@ -193,13 +201,20 @@ class TestFullyShardBackendDefaults(TestCase):
         self.assertIsInstance(group._reduce_scatter_comm, DefaultReduceScatter)
 
     def test_backend_comm_gets_gradients_themselves(self):
-        """Tests that in per-parameter mode the backend's reduce-scatter
-        receives each gradient computed by autograd itself (same storage),
-        and that its all-gather runs once per parameter."""
+        """Tests that in per-parameter mode a backend's reduce-scatter that
+        sets ``accepts_gradient_input`` receives each gradient computed by
+        autograd itself (same storage), that one that does not (the default)
+        receives none of them, and that the all-gather runs once per
+        parameter."""
+        for comm_cls in (GradientReadingReduceScatter, RecordingReduceScatter):
+            with self.subTest(comm_cls=comm_cls.__name__):
+                self._test_backend_comm_gets_gradients_themselves(comm_cls)
+
+    def _test_backend_comm_gets_gradients_themselves(self, comm_cls: type[ReduceScatter]):
         backend = FSDPBackend(
             group_collectives=False,
             all_gather_comm=RecordingAllGather,
-            reduce_scatter_comm=RecordingReduceScatter,
+            reduce_scatter_comm=comm_cls,
         )
         with _registered("cpu", backend):
             torch.manual_seed(42)
@@ -216,23 +231,27 @@ class TestFullyShardBackendDefaults(TestCase):
             comm.input_data_ptrs.clear()
             model(inp).sum().backward()
             self.assertEqual(len(comm.input_data_ptrs), len(fsdp_params))
-            self.assertEqual(sorted(comm.input_data_ptrs), sorted(grad_data_ptrs))
+            if comm_cls.accepts_gradient_input:
+                self.assertEqual(sorted(comm.input_data_ptrs), sorted(grad_data_ptrs))
+            else:
+                allocated = {t.data_ptr() for t in comm.allocated}
+                self.assertLessEqual(set(comm.input_data_ptrs), allocated)
 
     def test_backend_comm_owns_allocation(self):
-        """Tests that the backend's ``allocate`` provides every reduce-scatter
-        output and every temporary (here for gradients whose dim-0 does not
-        divide by the world size): FSDP allocates nothing of its own."""
+        """Tests that the backend's ``allocate`` provides the reduce-scatter
+        output and every input of a comm that does not accept gradients
+        themselves: FSDP allocates nothing of its own."""
         with _registered("cpu", FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
             torch.manual_seed(42)
             model = fully_shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 8)))
             model.set_group_collectives(False)
             comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
             model(torch.randn(4, 8)).sum().backward()
-        # Four outputs; (7, 8) and (7,) are padded to (8, 8) and (8,) in
-        # temporaries; the even (8, 7) and (8,) gradients are read in place
+        # (7, 8) and (7,) are padded to (8, 8) and (8,); (8, 7) and (8,) are
+        # copied as they are; one output of (64 + 8 + 56 + 8) / 2 elements
         self.assertEqual(
             sorted(comm.allocations, key=lambda s: s.numel()),
-            [(4,), (4,), (8,), (28,), (32,), (64,)],
+            [(8,), (8,), (56,), (64,), (68,)],
         )
 
     def test_grouped_buffer_from_backend_allocate(self):
@@ -249,21 +268,22 @@ class TestFullyShardBackendDefaults(TestCase):
 
     def test_grouped_copy_in_overridable_per_dispatch_key(self):
         """Tests that a backend can replace the grouped copy-in by registering
-        its own kernel of the ``chunk_cat`` custom op for its dispatch key
-        (CPU here, PrivateUse1 for an out-of-tree device), and that
-        destroying the registration restores FSDP's kernel."""
+        its own kernel of torch's ``fsdp::chunk_cat_mixed_dtype`` op for its
+        dispatch key (CPU here, PrivateUse1 for an out-of-tree device), and
+        that destroying the registration restores the default kernel."""
         calls = []
 
-        def chunk_cat(tensors, dim, num_chunks, out):
+        def chunk_cat_mixed_dtype(tensors, dim, num_chunks, *, out):
             calls.append(len(tensors))
             torch._chunk_cat(tensors, dim, num_chunks, out=out)
 
         model = fully_shard(MLP(8))
-        lib = torch.library.Library(fsdp_lib.ns, "IMPL")
+        lib = torch.library.Library("fsdp", "IMPL")
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Warning only once for all operators")
-                lib.impl("chunk_cat", chunk_cat, "CPU")
+                warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
+                lib.impl("chunk_cat_mixed_dtype", chunk_cat_mixed_dtype, "CPU")
             model(torch.randn(4, 8)).sum().backward()
         finally:
             lib._destroy()

@@ -51,7 +51,10 @@ class _CommAndCopyRecorder(TorchDispatchMode):
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
             numels = "+".join(str(t.numel()) for t in inputs)
             self.collectives.append(f"{phase} {_COLLECTIVES[name]} {numels}")
-        elif func.namespace == fsdp_lib.ns or (func.namespace == "aten" and name in _COPIES):
+        # FSDP's own ops, and torch's C++ ``fsdp::chunk_cat_mixed_dtype`` copy-in
+        elif func.namespace in (fsdp_lib.ns, "fsdp") or (
+            func.namespace == "aten" and name in _COPIES
+        ):
             self.copies[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -181,12 +184,12 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
 
     def test_grouped_reduce_scatter_uses_chunk_cat(self):
         """Tests that the default ``group_collectives=True`` keeps one
-        ``chunk_cat`` copy-in and one reduce-scatter per group."""
+        ``chunk_cat_mixed_dtype`` copy-in and one reduce-scatter per group."""
         model = _two_block_model()
         recorder = self._record_step(model, torch.randn(4, 8))
         reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
         self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
-        self.assertEqual(recorder.copies["chunk_cat"], 2)
+        self.assertEqual(recorder.copies["chunk_cat_mixed_dtype"], 2)
 
 
 class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
@@ -206,7 +209,8 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
 
     def test_all_gather_per_param_casts_per_param(self):
         """Tests that with ``param_dtype`` each parameter is cast by itself
-        (one copy each) and gathered in that dtype."""
+        (one copy each), straight into its chunk of the all-gather output, and
+        gathered in that dtype."""
         torch.manual_seed(42)
         model = MLP(8)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -214,9 +218,11 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         recorder = self._record_step(model, torch.randn(4, 8))
         self.assertNotIn("all_gather_copy_in", recorder.copies)
         self.assertNotIn("_foreach_copy_", recorder.copies)
-        # The forward input cast, 4 parameter casts to bf16 (the root
-        # all-gathers once), then 4 casts of the reduced gradients to fp32
-        self.assertEqual(recorder.copies, Counter({"_to_copy": 9}))
+        # The forward input cast (``_to_copy``) and 4 parameter casts to bf16
+        # (the root all-gathers once); with ``reduce_dtype=None`` the bf16
+        # gradients are reduced in their fp32 ``grad_dtype``, each cast into its
+        # own reduce-scatter input, with no cast after: 8 ``copy_`` in all
+        self.assertEqual(recorder.copies, Counter({"_to_copy": 1, "copy_": 8}))
 
     def test_trace_two_blocks(self):
         """Tests the exact collective sequence of one training step of a
@@ -338,25 +344,29 @@ class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(FSDPTestMultiThread):
     def world_size(self) -> int:
         return 4
 
-    def test_set_group_collectives_refuses_pending_partial_reduce(self):
+    def test_set_group_collectives_with_pending_partial_reduce(self):
         """Tests that switching modes while an HSDP partial reduction
-        (``set_requires_all_reduce(False)``) is pending raises instead of
-        mixing grouped and per-parameter partial outputs, and that switching
-        works again after an all-reducing backward."""
+        (``set_requires_all_reduce(False)``) is pending gives the same
+        gradients as staying in one mode: both modes lay out the partial
+        reduce output the same way."""
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(42)
-        model = MLP(8)
-        fully_shard(model, mesh=mesh)
-        inp = torch.randn(4, 8)
-        model.set_requires_all_reduce(False)
-        model(inp).sum().backward()
-        with self.assertRaisesRegex(RuntimeError, "partial reduction .* is pending"):
-            model.set_group_collectives(False)
-        self.assertTrue(_groups(model)[0].group_collectives)
-        model.set_requires_all_reduce(True)
-        model(inp).sum().backward()
-        model.set_group_collectives(False)
-        self.assertFalse(_groups(model)[0].group_collectives)
+        base = MLP(8)
+        models = [copy.deepcopy(base) for _ in range(2)]
+        for model in models:
+            fully_shard(model, mesh=mesh)
+        torch.manual_seed(42 + self.rank)
+        inps = [torch.randn(4, 8) for _ in range(2)]
+        for model, switch_to in zip(models, (False, None)):
+            model.set_requires_all_reduce(False)
+            model(inps[0]).sum().backward()
+            if switch_to is not None:
+                model.set_group_collectives(switch_to)
+            model.set_requires_all_reduce(True)
+            model(inps[1]).sum().backward()
+        self.assertFalse(_groups(models[0])[0].group_collectives)
+        for param, ref_param in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            self.assertTrue(torch.equal(param.grad.to_local(), ref_param.grad.to_local()))
 
 
 class TestFullyShardDeterministicReduceScatter(FSDPTestMultiThread):

@@ -251,11 +251,13 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
             self._shard(lambda p: ShardPlacementResult(Shard(0), mesh=meta_mesh))
 
     def test_rejects_placement_dim_out_of_range(self):
-        """Tests that a shard dim the parameter does not have fails with a
-        ``ValueError`` naming the parameter, for positive and negative dims."""
+        """Tests that a shard dim the parameter does not have fails naming the
+        parameter, for positive and negative dims, with the error type and
+        message start of upstream's check."""
         for placement in (Shard(3), Shard(-4)):
             with self.assertRaisesRegex(
-                ValueError, f"'w' of shape \\(4, 6, 6\\).*no dim {placement.dim}"
+                AssertionError,
+                f"Shard dim {placement.dim} is invalid for 3D tensor: .* for parameter 'w'",
             ):
                 self._shard(lambda p, s=placement: s if _is_expert(p) else None)
 

@@ -19,7 +19,7 @@ import bench
 
 from .measure import RunConfig
 from .models import MODELS
-from .modes import MODES
+from .modes import MIXED_PRECISION, MODES
 from .plots import render_plots
 from .report import add_ratios, loadavg, machine_info, render_markdown, targets
 from .runner import LOG_FORMAT, launch
@@ -68,6 +68,9 @@ def _plan(args: argparse.Namespace) -> list[RunConfig]:
             run_models = (
                 QUICK_GLOO_MODELS if args.quick and pg == "gloo" and args.models is None else models
             )
+            if args.mp != "fp32" and "moe" in run_models:
+                log.info("--mp %s: skipping moe (it runs in fp32 only)", args.mp)
+                run_models = [name for name in run_models if name != "moe"]
             skipped = [name for name in run_models if not MODELS[name].runs_at(world_size)]
             if skipped:
                 log.info(
@@ -88,6 +91,7 @@ def _plan(args: argparse.Namespace) -> list[RunConfig]:
                     steps=steps,
                     threads=args.threads,
                     profile_dir=str(args.out / "profiles") if args.profile else None,
+                    mp=args.mp,
                 )
             )
     return plan
@@ -109,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
         "(under a minute on 2 cores)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--mp",
+        choices=list(MIXED_PRECISION),
+        default="fp32",
+        help="mixed precision of the dense models: fp32, bf16 parameters with fp32 "
+        "reduce_dtype, or bf16 parameters with reduce_dtype None (default: fp32; the "
+        "moe model runs in fp32 only)",
+    )
     parser.add_argument(
         "--pg",
         nargs="+",

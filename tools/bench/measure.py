@@ -42,6 +42,7 @@ class RunConfig:
     steps: int
     threads: int
     profile_dir: str | None = None
+    mp: str = "fp32"
 
 
 def _sync(device: torch.device) -> None:
@@ -159,7 +160,7 @@ def bench_model(
     loss_fn = spec.loss_fn
     inp = spec.make_input(rank, device)
     modes = [MODES_BY_NAME[n] for n in mode_names]
-    models = {m.name: spec.build(m, mesh) for m in modes}
+    models = {m.name: spec.build(m, mesh, cfg.mp) for m in modes}
     optims = {
         name: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         for name, model in models.items()
@@ -217,7 +218,7 @@ def bench_model(
     del models, optims
     if memory:
         for mode in modes:
-            model = spec.build(mode, mesh)
+            model = spec.build(mode, mesh, cfg.mp)
             with coalescing(mode, device.type):
                 fwd, bwd = _step_peak_bytes(model, inp, loss_fn)
             result["modes"][mode.name].update(fwd_peak_bytes=fwd, bwd_peak_bytes=bwd)

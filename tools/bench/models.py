@@ -66,10 +66,13 @@ class ModelSpec:
             return moe.build_meshes(device_type, world_size // ep, ep)
         return init_device_mesh(device_type, (world_size,))
 
-    def build(self, mode: Mode, mesh: DeviceMesh | moe.MoEMeshes) -> nn.Module:
-        """The model from seed 42 on ``mesh``'s device type, sharded as ``mode`` says."""
+    def build(self, mode: Mode, mesh: DeviceMesh | moe.MoEMeshes, mp: str = "fp32") -> nn.Module:
+        """The model from seed 42 on ``mesh``'s device type, sharded as ``mode`` and
+        ``mp`` (a ``modes.MIXED_PRECISION`` name; dense models only) say."""
         c = self.config
         if self.kind == "moe":
+            if mp != "fp32":
+                raise ValueError(f"--mp {mp}: the moe model runs in fp32 only")
             args = moe.MoEArgs(
                 vocab=c["vocab"],
                 dim=c["dim"],
@@ -88,7 +91,7 @@ class ModelSpec:
             model = LinearChain(c["num_params"], c["dim"])
         model.to(mesh.device_type)
         # Blocks get their own fully_shard before the root
-        return shard(model, mode, list(model.blocks) if self.kind != "chain" else [], mesh)
+        return shard(model, mode, list(model.blocks) if self.kind != "chain" else [], mesh, mp)
 
     def make_input(self, rank: int, device: torch.device) -> torch.Tensor:
         c = self.config

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.distributed.fsdp as upstream_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,6 +38,14 @@ MODES = [
 ]
 MODES_BY_NAME = {m.name: m for m in MODES}
 SWEEP_MODES = ["grouped", "per-param", "per-param-nocoalesce"]
+
+# ``MixedPrecisionPolicy`` fields by ``--mp`` name. With ``reduce_dtype=None``,
+# torch 2.15 reduces bf16 parameters' gradients in their fp32 ``grad_dtype``
+MIXED_PRECISION = {
+    "fp32": {},
+    "bf16-fp32": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    "bf16-none": {"param_dtype": torch.bfloat16},
+}
 
 
 @contextlib.contextmanager
@@ -67,13 +76,16 @@ def coalescing(mode: Mode, device_type: str) -> Iterator[None]:
             torch_fsdp_ext.register_fsdp_backend(device_type, previous, override=True)
 
 
-def shard(model: nn.Module, mode: Mode, wrap: list[nn.Module], mesh: DeviceMesh) -> nn.Module:
-    """Applies ``fully_shard`` to each of ``wrap`` (modules of ``model``), then to ``model``."""
-    if mode.upstream:
-        fully_shard, kwargs = upstream_fsdp.fully_shard, {}
-    else:
-        fully_shard = torch_fsdp_ext.fully_shard
-        kwargs = {"group_collectives": mode.group_collectives}
+def shard(
+    model: nn.Module, mode: Mode, wrap: list[nn.Module], mesh: DeviceMesh, mp: str = "fp32"
+) -> nn.Module:
+    """Applies ``fully_shard`` to each of ``wrap`` (modules of ``model``), then to
+    ``model``, with the mixed precision that ``MIXED_PRECISION[mp]`` names."""
+    fsdp = upstream_fsdp if mode.upstream else torch_fsdp_ext
+    fully_shard = fsdp.fully_shard
+    kwargs = {"mp_policy": fsdp.MixedPrecisionPolicy(**MIXED_PRECISION[mp])}
+    if not mode.upstream:
+        kwargs["group_collectives"] = mode.group_collectives
     for module in wrap:
         fully_shard(module, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)

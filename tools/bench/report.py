@@ -147,6 +147,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     for run in report["runs"]:
         lines += [
             f"## {run['pg']}, world size {run['world_size']} ({run['device']}, "
+            f"mixed precision {run.get('mp', 'fp32')}, "
             f"{run['threads_per_rank']} thread(s) per rank, {run['warmup_steps']} warm-up + "
             f"{run['timed_steps']} timed steps, load {run['loadavg_start']})",
             "",

@@ -41,6 +41,7 @@ def _run_suite(rank: int, cfg: RunConfig) -> dict[str, Any]:
         "pg": cfg.pg,
         "world_size": cfg.world_size,
         "device": str(device.type),
+        "mp": cfg.mp,
         "threads_per_rank": cfg.threads,
         "warmup_steps": cfg.warmup,
         "timed_steps": cfg.steps,

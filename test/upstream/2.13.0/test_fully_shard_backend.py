@@ -1,0 +1,287 @@
+# Owner(s): ["oncall: distributed"]
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing._internal.common_fsdp import MLP
+from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torch_fsdp_ext import CPUOffloadPolicy, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch_fsdp_ext._fully_shard._fsdp_backend import (
+    FSDPBackend,
+    get_fsdp_backend,
+    register_fsdp_backend,
+    unregister_fsdp_backend,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+    _get_gradient_divide_factors,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
+
+
+@contextlib.contextmanager
+def _registered(device_type: str, backend: FSDPBackend) -> Iterator[None]:
+    """Registers ``backend`` for the duration, then restores the previous one."""
+    previous = get_fsdp_backend(device_type)
+    register_fsdp_backend(device_type, backend, override=True)
+    try:
+        yield
+    finally:
+        unregister_fsdp_backend(device_type)
+        if previous is not None:
+            register_fsdp_backend(device_type, previous)
+
+
+class RecordingAllGather(AllGather):
+    def __init__(self):
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
+class RecordingReduceScatter(ReduceScatter):
+    """Records the storage of each input and every allocation it makes."""
+
+    def __init__(self):
+        self.input_data_ptrs: list[int] = []
+        self.allocations: list[torch.Size] = []
+
+    def allocate(self, size, *, dtype, device):
+        self.allocations.append(torch.Size(size))
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.input_data_ptrs.append(input_tensor.data_ptr())
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+
+
+class TestFullyShardBackendRegistry(TestCase):
+    def test_register_and_unregister(self):
+        """Tests that a registered backend is returned for its device type and
+        that unregistering restores the previous state."""
+        self.assertIsNone(get_fsdp_backend("meta"))
+        backend = FSDPBackend(group_collectives=False)
+        register_fsdp_backend("meta", backend)
+        try:
+            self.assertIs(get_fsdp_backend("meta"), backend)
+        finally:
+            self.assertIs(unregister_fsdp_backend("meta"), backend)
+        self.assertIsNone(get_fsdp_backend("meta"))
+
+    def test_register_twice_raises(self):
+        """Tests that registering a device type twice names the fix, and that
+        ``override=True`` replaces the backend."""
+        with _registered("meta", FSDPBackend()):
+            with self.assertRaisesRegex(
+                RuntimeError, "already registered for 'meta'.*override=True"
+            ):
+                register_fsdp_backend("meta", FSDPBackend())
+            replacement = FSDPBackend(supports_avg=False)
+            register_fsdp_backend("meta", replacement, override=True)
+            self.assertIs(get_fsdp_backend("meta"), replacement)
+
+    def test_bad_input_raises(self):
+        """Tests clear errors for an unknown device type, a device with an
+        index, a non-backend, bad field values and unregistering an unknown
+        device type."""
+        with self.assertRaisesRegex(ValueError, "Unknown device type 'not_a_device'"):
+            register_fsdp_backend("not_a_device", FSDPBackend())
+        with self.assertRaisesRegex(ValueError, "without index"):
+            register_fsdp_backend("cpu:0", FSDPBackend())
+        with self.assertRaisesRegex(TypeError, "Expected an FSDPBackend"):
+            register_fsdp_backend("meta", {"group_collectives": False})
+        with self.assertRaisesRegex(TypeError, "group_collectives must be a bool or None"):
+            FSDPBackend(group_collectives="no")
+        with self.assertRaisesRegex(TypeError, "supports_avg must be a bool"):
+            FSDPBackend(supports_avg=None)
+        with self.assertRaisesRegex(TypeError, "reduce_scatter_comm must be a zero-argument"):
+            FSDPBackend(reduce_scatter_comm=DefaultReduceScatter())
+        with self.assertRaisesRegex(ValueError, "No FSDP backend is registered for 'meta'"):
+            unregister_fsdp_backend("meta")
+
+    def test_missing_capabilities_select_force_sum(self):
+        """Tests that a backend without PREMUL_SUM (divide factor) or without
+        AVG reduces with exactly the ops and factors of
+        ``set_force_sum_reduction_for_comms(True)``."""
+        pg = _FakeGroup(4)
+        forced = _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0, True)
+        with _registered("meta", FSDPBackend(supports_premul_sum=False)):
+            self.assertEqual(
+                _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0), forced
+            )
+            # AVG stays available when the factor is the world size
+            self.assertEqual(
+                _get_gradient_divide_factors(pg, None, torch.float32, "meta", 4.0)[2],
+                dist.ReduceOp.AVG,
+            )
+        forced_avg = _get_gradient_divide_factors(pg, None, torch.float32, "meta", None, True)
+        with _registered("meta", FSDPBackend(supports_avg=False)):
+            self.assertEqual(
+                _get_gradient_divide_factors(pg, None, torch.float32, "meta", None),
+                forced_avg,
+            )
+        # Without a backend, the divide factor uses PREMUL_SUM
+        _, _, op, _ = _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0)
+        self.assertNotEqual(op, dist.ReduceOp.SUM)
+
+
+class _FakeGroup:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class TestFullyShardBackendDefaults(TestCase):
+    """Single process over the fake process group: checks what FSDP hands a
+    backend, not the numerics."""
+
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def test_group_collectives_resolves_from_backend(self):
+        """Tests that ``group_collectives=None`` takes the backend's default,
+        that an explicit value wins, and that it is ``True`` without one."""
+        with _registered("cpu", FSDPBackend(group_collectives=False)):
+            for explicit, expected in ((None, False), (True, True), (False, False)):
+                model = fully_shard(MLP(8), group_collectives=explicit)
+                groups = model._get_fsdp_state()._fsdp_param_groups
+                self.assertEqual([g.group_collectives for g in groups], [expected])
+        with _registered("cpu", FSDPBackend()):
+            model = fully_shard(MLP(8))
+            self.assertTrue(model._get_fsdp_state()._fsdp_param_groups[0].group_collectives)
+
+    def test_backend_comms_are_group_defaults(self):
+        """Tests that each parameter group gets its own comm from the
+        backend's factories, that ``set_custom_*`` still overrides them, and
+        that unregistering restores the default comms."""
+        backend = FSDPBackend(
+            all_gather_comm=RecordingAllGather, reduce_scatter_comm=RecordingReduceScatter
+        )
+        with _registered("cpu", backend):
+            model = nn.Sequential(MLP(8), MLP(8))
+            fully_shard(model[0])
+            fully_shard(model)
+            groups = [m._get_fsdp_state()._fsdp_param_groups[0] for m in (model[0], model)]
+            for group in groups:
+                self.assertIsInstance(group._all_gather_comm, RecordingAllGather)
+                self.assertIsInstance(group._reduce_scatter_comm, RecordingReduceScatter)
+            self.assertIsNot(groups[0]._reduce_scatter_comm, groups[1]._reduce_scatter_comm)
+            model.set_custom_reduce_scatter(DefaultReduceScatter())
+            self.assertIsInstance(groups[1]._reduce_scatter_comm, DefaultReduceScatter)
+        group = fully_shard(MLP(8))._get_fsdp_state()._fsdp_param_groups[0]
+        self.assertIsInstance(group._all_gather_comm, DefaultAllGather)
+        self.assertIsInstance(group._reduce_scatter_comm, DefaultReduceScatter)
+
+    def test_backend_comm_gets_gradients_themselves(self):
+        """Tests that in per-parameter mode the backend's reduce-scatter
+        receives each gradient computed by autograd itself (same storage),
+        and that its all-gather runs once per parameter."""
+        backend = FSDPBackend(
+            group_collectives=False,
+            all_gather_comm=RecordingAllGather,
+            reduce_scatter_comm=RecordingReduceScatter,
+        )
+        with _registered("cpu", backend):
+            torch.manual_seed(42)
+            model = fully_shard(MLP(8))
+            inp = torch.randn(4, 8)
+            model(inp).sum().backward()  # lazy init
+            grad_data_ptrs = []
+            fsdp_params = model._get_fsdp_state()._fsdp_param_groups[0].fsdp_params
+            for fsdp_param in fsdp_params:
+                fsdp_param.unsharded_param.register_hook(
+                    lambda grad: grad_data_ptrs.append(grad.data_ptr())
+                )
+            comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+            comm.input_data_ptrs.clear()
+            model(inp).sum().backward()
+            self.assertEqual(len(comm.input_data_ptrs), len(fsdp_params))
+            self.assertEqual(sorted(comm.input_data_ptrs), sorted(grad_data_ptrs))
+
+    def test_backend_comm_owns_allocation(self):
+        """Tests that the backend's ``allocate`` provides every reduce-scatter
+        output and every temporary (here for gradients whose dim-0 does not
+        divide by the world size): FSDP allocates nothing of its own."""
+        with _registered("cpu", FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
+            torch.manual_seed(42)
+            model = fully_shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 8)))
+            model.set_group_collectives(False)
+            comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+            model(torch.randn(4, 8)).sum().backward()
+        # Four outputs; (7, 8) and (7,) are padded to (8, 8) and (8,) in
+        # temporaries; the even (8, 7) and (8,) gradients are read in place
+        self.assertEqual(
+            sorted(comm.allocations, key=lambda s: s.numel()),
+            [(4,), (4,), (8,), (28,), (32,), (64,)],
+        )
+
+    def test_grouped_buffer_from_backend_allocate(self):
+        """Tests that in grouped mode the backend's comm allocates the
+        group-wide reduce-scatter input (the ``chunk_cat`` buffer) and output."""
+        with _registered("cpu", FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
+            torch.manual_seed(42)
+            model = fully_shard(MLP(8))
+            comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+            model(torch.randn(4, 8)).sum().backward()
+        # 552 unsharded gradient elements in, 276 per rank out
+        self.assertEqual(comm.allocations, [(552,), (276,)])
+        self.assertEqual(len(comm.input_data_ptrs), 1)
+
+    def test_grouped_copy_in_overridable_per_dispatch_key(self):
+        """Tests that a backend can replace the grouped copy-in by registering
+        its own kernel of the ``chunk_cat`` custom op for its dispatch key
+        (CPU here, PrivateUse1 for an out-of-tree device), and that
+        destroying the registration restores FSDP's kernel."""
+        calls = []
+
+        def chunk_cat(tensors, dim, num_chunks, out):
+            calls.append(len(tensors))
+            torch._chunk_cat(tensors, dim, num_chunks, out=out)
+
+        model = fully_shard(MLP(8))
+        lib = torch.library.Library(fsdp_lib.ns, "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Warning only once for all operators")
+                lib.impl("chunk_cat", chunk_cat, "CPU")
+            model(torch.randn(4, 8)).sum().backward()
+        finally:
+            lib._destroy()
+        self.assertEqual(calls, [4])
+        model(torch.randn(4, 8)).sum().backward()
+        self.assertEqual(calls, [4])
+
+    def test_cpu_offload_policy_default_without_accelerator(self):
+        """Tests that the default ``CPUOffloadPolicy()`` works on a machine
+        without an accelerator (it does not try to pin memory)."""
+        if torch.accelerator.is_available():
+            self.skipTest("pinning is used when an accelerator is present")
+        model = fully_shard(MLP(8), offload_policy=CPUOffloadPolicy())
+        model(torch.randn(4, 8)).sum().backward()
+        for param in model.parameters():
+            self.assertFalse(param.to_local().is_pinned())
+            self.assertIsNotNone(param.grad)
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,491 @@
+# Owner(s): ["oncall: distributed"]
+
+import copy
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
+from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DeterministicReduceScatter,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    lib as fsdp_lib,
+)
+from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+_COLLECTIVES = {
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+}
+# Ops that copy parameter or gradient data on FSDP's side
+_COPIES = {"copy_", "_foreach_copy_", "cat", "_chunk_cat", "split_with_sizes_copy", "_to_copy"}
+
+
+class _CommAndCopyRecorder(TorchDispatchMode):
+    """Records each collective (phase, kind, input numels) and counts copy ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.collectives: list[str] = []
+        self.copies: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[1]
+        if func.namespace == "c10d" and name in _COLLECTIVES:
+            inputs = args[1] if "coalesced" in name else [args[1]]
+            if name.startswith("allreduce"):
+                inputs = args[0]
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            numels = "+".join(str(t.numel()) for t in inputs)
+            self.collectives.append(f"{phase} {_COLLECTIVES[name]} {numels}")
+        elif func.namespace == fsdp_lib.ns or (func.namespace == "aten" and name in _COPIES):
+            self.copies[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _FakeProcessGroupTestCase(TestCase):
+    """Single-process tests over the fake process group at world size 2:
+    collectives do not move data, so every recorded op is FSDP's own."""
+
+    world_size = 2
+
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def _record_step(self, model: nn.Module, inp: torch.Tensor) -> _CommAndCopyRecorder:
+        model(inp).sum().backward()  # lazy init outside of the recording
+        with _CommAndCopyRecorder() as recorder:
+            model(inp).sum().backward()
+        return recorder
+
+
+class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_group_collectives_default_is_grouped(self):
+        """Tests that ``group_collectives`` defaults to ``True`` on every parameter group."""
+        model = MLP(8)
+        fully_shard(model)
+        groups = model._get_fsdp_state()._fsdp_param_groups
+        self.assertEqual([g.group_collectives for g in groups], [True])
+
+    def test_group_collectives_stored_on_every_param_group(self):
+        """Tests that the flag reaches every parameter group, including the
+        extra groups that per-parameter meshes create."""
+        self.run_subtests(
+            {"group_collectives": [False, True], "per_param_mesh": [False, True]},
+            self._test_group_collectives_stored_on_every_param_group,
+        )
+
+    def _test_group_collectives_stored_on_every_param_group(
+        self, group_collectives: bool, per_param_mesh: bool
+    ):
+        torch.manual_seed(42)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        shard_placement_fn = None
+        if per_param_mesh:
+            # A second group over the same ranks but its own process group
+            other_pg = dist.new_group(list(range(self.world_size)))
+            other_mesh = DeviceMesh.from_group(other_pg, "cpu")
+            other_info = FSDPMeshInfo(other_mesh, shard_mesh_dim=0)
+            other_params = set(model[1].parameters())
+
+            def shard_placement_fn(param: nn.Parameter):
+                if param in other_params:
+                    return ShardPlacementResult(Shard(0), other_info)
+                return None
+
+        fully_shard(
+            model,
+            mesh=mesh,
+            shard_placement_fn=shard_placement_fn,
+            group_collectives=group_collectives,
+        )
+        groups = model._get_fsdp_state()._fsdp_param_groups
+        self.assertEqual(len(groups), 2 if per_param_mesh else 1)
+        for group in groups:
+            self.assertIs(group.group_collectives, group_collectives)
+
+    def test_group_collectives_rejects_non_bool(self):
+        """Tests that a non-bool ``group_collectives`` raises a ``TypeError``
+        naming the value instead of being coerced by truthiness."""
+        for bad in ("no", 0, 1, torch.tensor(True)):
+            with self.assertRaisesRegex(TypeError, "group_collectives.*bool") as cm:
+                fully_shard(MLP(8), group_collectives=bad)
+            self.assertIn(repr(bad), str(cm.exception))
+
+
+def _two_block_model(**kwargs) -> nn.Module:
+    torch.manual_seed(42)
+    model = nn.Sequential(MLP(8), MLP(8))
+    for mlp in model:
+        fully_shard(mlp, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
+    def test_reduce_scatter_per_param_without_copies(self):
+        """Tests that ``group_collectives=False`` reduce-scatters each gradient
+        by itself and, for contiguous, evenly divisible fp32 gradients, reads
+        the gradients in place: no ``chunk_cat`` and no other copy."""
+        model = _two_block_model(group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
+        # in_proj (32, 8) + bias, out_proj (8, 32) + bias, for each of 2 blocks
+        self.assertEqual(
+            reduce_scatters,
+            [
+                "backward reduce_scatter 256",
+                "backward reduce_scatter 32",
+                "backward reduce_scatter 256",
+                "backward reduce_scatter 8",
+            ]
+            * 2,
+        )
+        self.assertNotIn("chunk_cat", recorder.copies)
+        self.assertNotIn("copy_", recorder.copies)
+
+    def test_reduce_scatter_per_param_copies_only_ineligible_grads(self):
+        """Tests that a gradient that is not evenly divisible on dim-0, or not
+        in the reduce dtype, is copied into a temporary of its own: one copy
+        per such gradient, never a group-wide ``chunk_cat``."""
+        torch.manual_seed(42)
+        # dim-0 of 7 and 3 do not divide by 2; 8 does
+        model = nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 3), nn.Linear(3, 8))
+        fully_shard(model, group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        self.assertNotIn("chunk_cat", recorder.copies)
+        self.assertEqual(recorder.copies["copy_"], 4)
+
+    def test_grouped_reduce_scatter_uses_chunk_cat(self):
+        """Tests that the default ``group_collectives=True`` keeps one
+        ``chunk_cat`` copy-in and one reduce-scatter per group."""
+        model = _two_block_model()
+        recorder = self._record_step(model, torch.randn(4, 8))
+        reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
+        self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
+        self.assertEqual(recorder.copies["chunk_cat"], 2)
+
+
+class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
+    def test_all_gather_per_param_without_copies(self):
+        """Tests that ``group_collectives=False`` all-gathers each parameter by
+        itself straight into its unsharded storage: no ``all_gather_copy_in``,
+        no ``split_with_sizes_copy`` and no other copy in forward."""
+        model = _two_block_model(group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        all_gathers = [c for c in recorder.collectives if "all_gather" in c]
+        per_block = ["all_gather 128", "all_gather 16", "all_gather 128", "all_gather 4"]
+        self.assertEqual(
+            all_gathers,
+            [f"{phase} {c}" for phase in ("forward", "backward") for c in per_block * 2],
+        )
+        self.assertEqual(recorder.copies, Counter())
+
+    def test_all_gather_per_param_casts_per_param(self):
+        """Tests that with ``param_dtype`` each parameter is cast by itself
+        (one copy each) and gathered in that dtype."""
+        torch.manual_seed(42)
+        model = MLP(8)
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        fully_shard(model, mp_policy=mp_policy, group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8))
+        self.assertNotIn("all_gather_copy_in", recorder.copies)
+        self.assertNotIn("_foreach_copy_", recorder.copies)
+        # The forward input cast, 4 parameter casts to bf16 (the root
+        # all-gathers once), then 4 casts of the reduced gradients to fp32
+        self.assertEqual(recorder.copies, Counter({"_to_copy": 9}))
+
+    def test_trace_two_blocks(self):
+        """Tests the exact collective sequence of one training step of a
+        two-block model in both modes."""
+        traces = {}
+        for group_collectives in (True, False):
+            model = _two_block_model(group_collectives=group_collectives)
+            recorder = self._record_step(model, torch.randn(4, 8))
+            traces[group_collectives] = "\n".join(recorder.collectives)
+        self.assertExpectedInline(
+            traces[True],
+            """\
+forward all_gather 276
+forward all_gather 276
+backward all_gather 276
+backward all_gather 276
+backward reduce_scatter 552
+backward reduce_scatter 552""",
+        )
+        self.assertExpectedInline(
+            traces[False],
+            """\
+forward all_gather 128
+forward all_gather 16
+forward all_gather 128
+forward all_gather 4
+forward all_gather 128
+forward all_gather 16
+forward all_gather 128
+forward all_gather 4
+backward all_gather 128
+backward all_gather 16
+backward all_gather 128
+backward all_gather 4
+backward all_gather 128
+backward all_gather 16
+backward all_gather 128
+backward all_gather 4
+backward reduce_scatter 256
+backward reduce_scatter 32
+backward reduce_scatter 256
+backward reduce_scatter 8
+backward reduce_scatter 256
+backward reduce_scatter 32
+backward reduce_scatter 256
+backward reduce_scatter 8""",
+        )
+
+
+class TestFullyShardGroupCollectivesParity(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_per_param_matches_grouped(self):
+        """Tests that per-parameter collectives give bitwise-equal losses,
+        sharded parameters and sharded gradients to grouped ones."""
+        self.run_subtests(
+            {
+                "mp_policy": [
+                    MixedPrecisionPolicy(),
+                    MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                ],
+                "dim": [8, 7],  # evenly and unevenly sharded
+                "reshard_after_forward": [True, False],
+            },
+            self._test_per_param_matches_grouped,
+        )
+
+    def _test_per_param_matches_grouped(
+        self, mp_policy: MixedPrecisionPolicy, dim: int, reshard_after_forward: bool
+    ):
+        models = _copies_of_two_block_model(
+            dim,
+            [{"group_collectives": False}, {"group_collectives": True}],
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        _train_and_compare(self, models, dim)
+
+
+class TestFullyShardGroupCollectivesRuntimeSwitch(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_set_group_collectives_between_iterations(self):
+        """Tests that switching ``set_group_collectives`` every iteration
+        keeps bitwise parity with a model that always groups, and that the
+        switch reaches every parameter group (``recurse=True``) or only the
+        module's own (``recurse=False``)."""
+        models = _copies_of_two_block_model(8, [{}, {}])
+        model = models[0]
+
+        def before_step(step: int):
+            model.set_group_collectives(step % 2 == 1)
+            flags = {g.group_collectives for m in (*model, model) for g in _groups(m)}
+            self.assertEqual(flags, {step % 2 == 1})
+
+        _train_and_compare(self, models, 8, before_step=before_step)
+        model.set_group_collectives(False, recurse=False)
+        self.assertEqual(
+            [g.group_collectives for g in _groups(model)], [False] * len(_groups(model))
+        )
+        self.assertEqual([g.group_collectives for g in _groups(model[0])], [True])
+
+    def test_set_group_collectives_rejects_non_bool(self):
+        """Tests that ``set_group_collectives`` raises a ``TypeError`` for a
+        non-bool and leaves the flag unchanged."""
+        model = MLP(8)
+        fully_shard(model)
+        with self.assertRaisesRegex(TypeError, "group_collectives must be a bool but got 'no'"):
+            model.set_group_collectives("no")
+        self.assertTrue(_groups(model)[0].group_collectives)
+
+
+class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_set_group_collectives_refuses_pending_partial_reduce(self):
+        """Tests that switching modes while an HSDP partial reduction
+        (``set_requires_all_reduce(False)``) is pending raises instead of
+        mixing grouped and per-parameter partial outputs, and that switching
+        works again after an all-reducing backward."""
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(42)
+        model = MLP(8)
+        fully_shard(model, mesh=mesh)
+        inp = torch.randn(4, 8)
+        model.set_requires_all_reduce(False)
+        model(inp).sum().backward()
+        with self.assertRaisesRegex(RuntimeError, "partial reduction .* is pending"):
+            model.set_group_collectives(False)
+        self.assertTrue(_groups(model)[0].group_collectives)
+        model.set_requires_all_reduce(True)
+        model(inp).sum().backward()
+        model.set_group_collectives(False)
+        self.assertFalse(_groups(model)[0].group_collectives)
+
+
+class TestFullyShardDeterministicReduceScatter(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_sums_in_rank_order(self):
+        """Tests that each output element is the rank-order sum ``x_0 + x_1 +
+        ... + x_{W-1}`` of that element's inputs, for SUM, AVG and PREMUL_SUM,
+        and for a chunk size that packs differently than one tensor."""
+        self.run_subtests(
+            {
+                "op": [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM(0.3)],
+                "dtype": [torch.float32, torch.bfloat16],
+            },
+            self._test_sums_in_rank_order,
+        )
+
+    def _test_sums_in_rank_order(self, op, dtype: torch.dtype):
+        group = dist.distributed_c10d._get_default_group()
+        torch.manual_seed(42 + self.rank)
+        inp = torch.randn(self.world_size * 37, dtype=dtype)
+        out = torch.empty(37, dtype=dtype)
+        self.assertIsNone(DeterministicReduceScatter()(out, inp.clone(), group, op))
+        gathered = torch.empty(self.world_size, *inp.shape, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, inp, group=group)
+        chunks = gathered.view(self.world_size, self.world_size, -1)[:, self.rank]
+        if getattr(op, "op", op) == dist.ReduceOp.PREMUL_SUM:
+            chunks = chunks * op.factor
+        expected = chunks[0].clone()
+        for chunk in chunks[1:]:
+            expected += chunk
+        if op == dist.ReduceOp.AVG:
+            expected /= self.world_size
+        self.assertEqual(out, expected, atol=0, rtol=0)
+
+    def test_rejects_unsupported_op(self):
+        """Tests that ops other than SUM, AVG and PREMUL_SUM raise."""
+        group = dist.distributed_c10d._get_default_group()
+        with self.assertRaisesRegex(NotImplementedError, "supports SUM, AVG and PREMUL_SUM"):
+            DeterministicReduceScatter()(torch.empty(2), torch.zeros(8), group, dist.ReduceOp.MAX)
+
+    def test_per_param_matches_grouped(self):
+        """Tests that with ``DeterministicReduceScatter`` on both sides,
+        per-parameter and grouped reduce-scatters give bitwise-equal training
+        at world size 4, with uneven sharding and a divide factor."""
+        models = _copies_of_two_block_model(7, [{"group_collectives": False}, {}])
+        for model in models:
+            for module in (*model, model):
+                module.set_custom_reduce_scatter(DeterministicReduceScatter())
+                module.set_gradient_divide_factor(3.0)
+        _train_and_compare(self, models, 7)
+
+
+def _groups(module: nn.Module) -> list:
+    return module._get_fsdp_state()._fsdp_param_groups
+
+
+def _copies_of_two_block_model(
+    dim: int, per_model_kwargs: list[dict], **common_kwargs
+) -> list[nn.Module]:
+    """Identically initialized two-block models, each sharded with its own kwargs."""
+    torch.manual_seed(42)
+    base = nn.Sequential(MLP(dim), MLP(dim))
+    models = []
+    for kwargs in per_model_kwargs:
+        model = copy.deepcopy(base)
+        for module in (*model, model):
+            fully_shard(module, **common_kwargs, **kwargs)
+        models.append(model)
+    return models
+
+
+def _train_and_compare(
+    test: TestCase, models: list[nn.Module], dim: int, before_step=lambda step: None
+) -> None:
+    """Trains ``models`` in lockstep for 4 steps and requires bitwise-equal
+    losses, sharded gradients and sharded parameters to ``models[-1]``."""
+    optims = [torch.optim.Adam(model.parameters(), lr=1e-2) for model in models]
+    torch.manual_seed(42 + test.rank)
+    for step in range(4):
+        before_step(step)
+        inp = torch.randn(4, dim)
+        losses = [model(inp).sum() for model in models]
+        for loss in losses:
+            loss.backward()
+        for loss in losses[:-1]:
+            test.assertEqual(loss, losses[-1], atol=0, rtol=0)
+        params = [list(model.parameters()) for model in models]
+        for model_params in params[:-1]:
+            for param, ref_param in zip(model_params, params[-1], strict=True):
+                test.assertEqual(param.grad.to_local(), ref_param.grad.to_local(), atol=0, rtol=0)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=step % 2 == 0)
+        for model_params in params[:-1]:
+            for param, ref_param in zip(model_params, params[-1], strict=True):
+                test.assertEqual(param.to_local(), ref_param.to_local(), atol=0, rtol=0)
+
+
+class TestFullyShardSingleRankReduceScatter(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def test_gradient_divide_factor_applied_once(self):
+        """Tests that on a 1-rank mesh, where FSDP skips the reduce-scatter, a
+        gradient divide factor divides the gradient exactly once, also when
+        the pre/post divides apply it (force-sum; CPU always, as gloo has no
+        PREMUL_SUM), in both collective modes."""
+        self.run_subtests(
+            {"group_collectives": [True, False], "force_sum": [True, False]},
+            self._test_gradient_divide_factor_applied_once,
+        )
+
+    def _test_gradient_divide_factor_applied_once(self, group_collectives: bool, force_sum: bool):
+        torch.manual_seed(42)
+        ref = nn.Linear(8, 8)
+        model = copy.deepcopy(ref)
+        fully_shard(model, group_collectives=group_collectives)
+        model.set_gradient_divide_factor(4.0)
+        model.set_force_sum_reduction_for_comms(force_sum)
+        inp = torch.randn(2, 8)
+        model(inp).sum().backward()
+        ref(inp).sum().backward()
+        for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
+            self.assertTrue(torch.equal(param.grad.to_local(), ref_param.grad / 4))
+
+
+if __name__ == "__main__":
+    run_tests()
