@@ -468,34 +468,5 @@ def _train_and_compare(
                 test.assertEqual(param.to_local(), ref_param.to_local(), atol=0, rtol=0)
 
 
-class TestFullyShardSingleRankReduceScatter(FSDPTestMultiThread):
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    def test_gradient_divide_factor_applied_once(self):
-        """Tests that on a 1-rank mesh, where FSDP skips the reduce-scatter, a
-        gradient divide factor divides the gradient exactly once, also when
-        the pre/post divides apply it (force-sum; CPU always, as gloo has no
-        PREMUL_SUM), in both collective modes."""
-        self.run_subtests(
-            {"group_collectives": [True, False], "force_sum": [True, False]},
-            self._test_gradient_divide_factor_applied_once,
-        )
-
-    def _test_gradient_divide_factor_applied_once(self, group_collectives: bool, force_sum: bool):
-        torch.manual_seed(42)
-        ref = nn.Linear(8, 8)
-        model = copy.deepcopy(ref)
-        fully_shard(model, group_collectives=group_collectives)
-        model.set_gradient_divide_factor(4.0)
-        model.set_force_sum_reduction_for_comms(force_sum)
-        inp = torch.randn(2, 8)
-        model(inp).sum().backward()
-        ref(inp).sum().backward()
-        for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
-            self.assertTrue(torch.equal(param.grad.to_local(), ref_param.grad / 4))
-
-
 if __name__ == "__main__":
     run_tests()
