@@ -24,6 +24,15 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
     _get_gradient_divide_factors,
 )
+from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
+
+# The grouped reduce-scatter copy-in: torch 2.15 made it the C++ op
+# ``fsdp::chunk_cat_mixed_dtype`` (mixed gradient dtypes); before, ``fsdp::chunk_cat``
+GROUPED_COPY_IN_OP = (
+    "chunk_cat_mixed_dtype" if hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype") else "chunk_cat"
+)
+# Its namespace: torch's own for the C++ op, this module's for the Python one
+GROUPED_COPY_IN_NS = "fsdp" if GROUPED_COPY_IN_OP == "chunk_cat_mixed_dtype" else fsdp_lib.ns
 
 
 @contextlib.contextmanager
@@ -268,22 +277,23 @@ class TestFullyShardBackendDefaults(TestCase):
 
     def test_grouped_copy_in_overridable_per_dispatch_key(self):
         """Tests that a backend can replace the grouped copy-in by registering
-        its own kernel of torch's ``fsdp::chunk_cat_mixed_dtype`` op for its
-        dispatch key (CPU here, PrivateUse1 for an out-of-tree device), and
-        that destroying the registration restores the default kernel."""
+        its own kernel of the copy-in op (``fsdp::chunk_cat_mixed_dtype``, or
+        ``fsdp::chunk_cat`` before torch 2.15) for its dispatch key (CPU here,
+        PrivateUse1 for an out-of-tree device), and that destroying the
+        registration restores the default kernel."""
         calls = []
 
-        def chunk_cat_mixed_dtype(tensors, dim, num_chunks, *, out):
+        def chunk_cat(tensors, dim, num_chunks, *, out):
             calls.append(len(tensors))
             torch._chunk_cat(tensors, dim, num_chunks, out=out)
 
         model = fully_shard(MLP(8))
-        lib = torch.library.Library("fsdp", "IMPL")
+        lib = torch.library.Library(GROUPED_COPY_IN_NS, "IMPL")
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Warning only once for all operators")
                 warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
-                lib.impl("chunk_cat_mixed_dtype", chunk_cat_mixed_dtype, "CPU")
+                lib.impl(GROUPED_COPY_IN_OP, chunk_cat, "CPU")
             model(torch.randn(4, 8)).sum().backward()
         finally:
             lib._destroy()
