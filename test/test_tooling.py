@@ -37,6 +37,7 @@ LAYOUT = (
     "tools",
     "torch_fsdp_ext/_vendor.py",
     "torch_fsdp_ext/__init__.py",
+    "torch_fsdp_ext/_upstream_types.py",
     "torch_fsdp_ext/_testing",
     "test/upstream",
     "test/conftest.py",
@@ -589,6 +590,21 @@ class TestPatchToolingBases(_TempRepoTestCase):
         self.assertFails(proc, "--base 9.9.9 needs the pristine files of torch 9.9.9", "--torch")
 
 
+class TestPatchToolingStack(_TempRepoTestCase):
+    def test_names_the_first_position_whose_tests_fail(self):
+        """Tests that check_stack.py fails at the first patch whose upstream-path
+        tests fail at its position, though the top of the series would pass:
+        here 0001's test asserts the opposite and the next patch is ignored."""
+        repo = self.new_repo()
+        first = series(repo)[0]
+        text = first.read_text()
+        self.assertIn("+            self.assertTrue(torch.equal(", text)
+        first.write_text(text.replace("self.assertTrue(torch.equal(", "self.assertFalse(torch.equal("))
+        proc = run(repo, "tools/check_stack.py")
+        self.assertFails(proc, f"{first.name}: 1 failed", "tests fail at position 1 of patches/")
+        self.assertNotIn(series(repo)[1].name, proc.stdout)
+
+
 class TestPatchToolingApplyToPytorch(_TempRepoTestCase):
     def init_checkout(self, repo: Path, name: str) -> Path:
         """A git repo holding the pristine base files at upstream paths, via _patchlib."""
@@ -665,6 +681,7 @@ class TestPatchToolingWheel(_TempRepoTestCase):
             stamp = json.loads(zf.read("torch_fsdp_ext/_fully_shard/VENDORED.json"))
         for name in (
             "torch_fsdp_ext/__init__.py",
+    "torch_fsdp_ext/_upstream_types.py",
             "torch_fsdp_ext/_testing/moe.py",
             "torch_fsdp_ext/_vendor.py",
             "torch_fsdp_ext/_fully_shard/_fully_shard.py",

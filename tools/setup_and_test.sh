@@ -38,6 +38,8 @@ PIP_CONSTRAINT=/dev/null $py -m pip install -q "torch==$base" -r requirements.tx
 $py -m pip install -q --no-build-isolation --no-deps -e .
 echo "== tools/check_patches.py (torch $base)"
 $py tools/check_patches.py
+echo "== tools/check_stack.py: each patch's upstream-path tests at its position (torch $base)"
+$py tools/check_stack.py
 echo "== ruff"
 $py -m ruff check .
 $py -m ruff format --check .
