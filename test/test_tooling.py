@@ -599,7 +599,9 @@ class TestPatchToolingStack(_TempRepoTestCase):
         first = series(repo)[0]
         text = first.read_text()
         self.assertIn("+            self.assertTrue(torch.equal(", text)
-        first.write_text(text.replace("self.assertTrue(torch.equal(", "self.assertFalse(torch.equal("))
+        first.write_text(
+            text.replace("self.assertTrue(torch.equal(", "self.assertFalse(torch.equal(")
+        )
         proc = run(repo, "tools/check_stack.py")
         self.assertFails(proc, f"{first.name}: 1 failed", "tests fail at position 1 of patches/")
         self.assertNotIn(series(repo)[1].name, proc.stdout)
@@ -681,7 +683,7 @@ class TestPatchToolingWheel(_TempRepoTestCase):
             stamp = json.loads(zf.read("torch_fsdp_ext/_fully_shard/VENDORED.json"))
         for name in (
             "torch_fsdp_ext/__init__.py",
-    "torch_fsdp_ext/_upstream_types.py",
+            "torch_fsdp_ext/_upstream_types.py",
             "torch_fsdp_ext/_testing/moe.py",
             "torch_fsdp_ext/_vendor.py",
             "torch_fsdp_ext/_fully_shard/_fully_shard.py",
