@@ -12,7 +12,7 @@ import copy
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -273,6 +273,40 @@ class ParityConfig:
     model_fn: Callable[[int, int], nn.Module] | None = None
 
 
+def _model_with_only_norms_1d_of_dim(dim: int, hidden: int) -> nn.Module:
+    """:class:`Model` whose only 1-D parameters of size ``dim`` are the norms'."""
+    model = Model(dim, hidden)
+    model.inp = nn.Linear(dim, dim, bias=False)
+    for block in model.blocks:
+        block.w2 = nn.Linear(hidden, dim, bias=False)
+    return model
+
+
+def _fp32_norms_config() -> ParityConfig:
+    kept_fp32: list[nn.Parameter] = []
+
+    def keep_norms_fp32(param: nn.Parameter) -> torch.dtype | None:
+        if param.ndim == 1 and param.numel() == 16:
+            kept_fp32.append(param)
+            return torch.float32
+        return None
+
+    def after_shard(model: nn.Module) -> None:
+        # Each block's group must mix fp32 norms with bf16 linears
+        if len(kept_fp32) < 2 * len(model.blocks):
+            raise AssertionError(f"the policy kept {len(kept_fp32)} norm parameters in fp32")
+
+    return ParityConfig(
+        fsdp_kwargs=lambda impl: {
+            "mp_policy": impl.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, param_dtype_override_fn=keep_norms_fp32
+            )
+        },
+        after_shard=after_shard,
+        model_fn=_model_with_only_norms_1d_of_dim,
+    )
+
+
 class ParityMixin:
     """Builds :class:`Model` twice from seed 42, shards it two ways and trains in lockstep.
 
@@ -343,6 +377,10 @@ class ParityMixin:
             # dim-0 sizes not divisible by the world size: padded shards
             "uneven_dim0": lambda: ParityConfig(dim=15, hidden=21),
         }
+        if "param_dtype_override_fn" in {f.name for f in fields(UPSTREAM.MixedPrecisionPolicy)}:
+            # torch >= 2.15: per-parameter param dtypes, so one group reduces
+            # bf16 and fp32 gradients together (in their promoted dtype)
+            configs["bf16_params_fp32_norms"] = _fp32_norms_config
         if self.world_size == 4:
             configs["reshard_after_forward_2"] = lambda: ParityConfig(
                 fsdp_kwargs=lambda impl: {"reshard_after_forward": 2}
