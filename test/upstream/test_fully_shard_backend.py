@@ -209,6 +209,21 @@ class TestFullyShardBackendDefaults(TestCase):
         self.assertIsInstance(group._all_gather_comm, DefaultAllGather)
         self.assertIsInstance(group._reduce_scatter_comm, DefaultReduceScatter)
 
+    def test_comm_factory_returning_no_comm_raises_at_fully_shard(self):
+        """Tests that a backend comm factory that returns something other than a
+        comm fails at ``fully_shard`` time, naming the device type and the
+        value, instead of in the first collective."""
+        for name, comm_type in (
+            ("all_gather_comm", "AllGather"),
+            ("reduce_scatter_comm", "ReduceScatter"),
+        ):
+            with _registered("cpu", FSDPBackend(**{name: lambda: 42})):
+                with self.assertRaisesRegex(
+                    TypeError,
+                    f"registered for 'cpu' made 42 of type int, which is not a {comm_type}",
+                ):
+                    fully_shard(MLP(8))
+
     def test_backend_comm_gets_gradients_themselves(self):
         """Tests that in per-parameter mode a backend's reduce-scatter that
         sets ``accepts_gradient_input`` receives each gradient computed by

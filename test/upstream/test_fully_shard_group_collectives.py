@@ -412,6 +412,13 @@ class TestFullyShardDeterministicReduceScatter(FSDPTestMultiThread):
         with self.assertRaisesRegex(NotImplementedError, "supports SUM, AVG and PREMUL_SUM"):
             DeterministicReduceScatter()(torch.empty(2), torch.zeros(8), group, dist.ReduceOp.MAX)
 
+    def test_rejects_input_not_divisible_by_world_size(self):
+        """Tests that an input that does not split into one chunk per rank
+        raises naming both sizes, instead of a failed reshape."""
+        group = dist.distributed_c10d._get_default_group()
+        with self.assertRaisesRegex(ValueError, "input of 5 elements.*world size 4"):
+            DeterministicReduceScatter()(torch.empty(1), torch.zeros(5), group, dist.ReduceOp.SUM)
+
     def test_per_param_matches_grouped(self):
         """Tests that with ``DeterministicReduceScatter`` on both sides,
         per-parameter and grouped reduce-scatters give bitwise-equal training

@@ -241,6 +241,18 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
         mesh_3d = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
         with self.assertRaisesRegex(ValueError, "1D mesh .* or a 2D mesh"):
             ShardPlacementResult(Shard(0), mesh=mesh_3d)
+        with self.assertRaisesRegex(TypeError, "mesh to be a DeviceMesh but got 'cpu' of type str"):
+            ShardPlacementResult(Shard(0), mesh="cpu")
+
+    def test_rejects_mesh_without_this_rank(self):
+        """Tests that a per-parameter mesh that leaves out this rank fails on
+        that rank with an error naming the rank, instead of an ``IndexError``."""
+        half_mesh = DeviceMesh("cpu", [0, 1])
+        if self.rank < 2:
+            ShardPlacementResult(Shard(0), mesh=half_mesh)
+        else:
+            with self.assertRaisesRegex(ValueError, f"mesh without this rank \\({self.rank}\\)"):
+                ShardPlacementResult(Shard(0), mesh=half_mesh)
 
     def test_rejects_mesh_of_other_device_type(self):
         """Tests that a per-param mesh on another device type fails at
