@@ -14,6 +14,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DeterministicReduceScatter,
 )
@@ -304,6 +305,42 @@ class TestFullyShardGroupCollectivesParity(FSDPTestMultiThread):
             reshard_after_forward=reshard_after_forward,
         )
         _train_and_compare(self, models, dim)
+
+    def test_all_gather_comm_without_parameter_output(self):
+        """Tests that a custom all-gather comm that does not set
+        ``accepts_parameter_output`` gets every output from its own
+        ``allocate`` (copied out after), in ``Shard(0)`` and ``Shard(1)``,
+        with bitwise the same training as the default comm."""
+        for placement in (Shard(0), Shard(1)):
+            with self.subTest(placement=placement):
+                comm = _AllocatingAllGather()
+                models = _copies_of_two_block_model(
+                    8,
+                    [{"group_collectives": False}, {"group_collectives": False}],
+                    shard_placement_fn=lambda p, s=placement: s if p.ndim == 2 else None,
+                )
+                for module in (*models[0], models[0]):
+                    module.set_custom_all_gather(comm)
+                _train_and_compare(self, models, 8)
+                self.assertTrue(comm.output_data_ptrs)
+                allocated = {t.data_ptr() for t in comm.allocated}
+                self.assertLessEqual(set(comm.output_data_ptrs), allocated)
+
+
+class _AllocatingAllGather(AllGather):
+    """Records the output of each call and keeps every buffer it allocates."""
+
+    def __init__(self):
+        self.allocated: list[torch.Tensor] = []
+        self.output_data_ptrs: list[int] = []
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(torch.empty(*size, dtype=dtype, device=device))
+        return self.allocated[-1]
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.output_data_ptrs.append(output_tensor.data_ptr())
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
 
 class TestFullyShardGroupCollectivesRuntimeSwitch(FSDPTestMultiThread):

@@ -23,6 +23,8 @@ from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 class TPUAllGather(AllGather):
     """Owns allocation and the collective of each per-parameter all-gather."""
 
+    # Per-parameter mode may gather into the parameters' own storage
+    accepts_parameter_output = True
     calls = 0
 
     def allocate(self, size, *, dtype, device):
