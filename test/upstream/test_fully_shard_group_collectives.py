@@ -227,6 +227,33 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         # ``copy_`` in all
         self.assertEqual(recorder.copies, Counter({"_to_copy": 1, "copy_": 8}))
 
+    def test_all_gather_per_param_refuses_custom_output_fn(self):
+        """Tests that ``group_collectives=False`` raises instead of skipping a
+        custom all-gather output function (torch 2.15's per-group hook), and
+        that grouped mode calls it."""
+        calls = []
+        for group_collectives in (False, True):
+            model = _two_block_model(group_collectives=group_collectives)
+            group = model[0]._get_fsdp_state()._fsdp_param_groups[0]
+            if not hasattr(group, "_all_gather_output_fn"):
+                self.skipTest("torch before 2.15 has no all-gather output function hook")
+            default_fn = group._all_gather_output_fn
+
+            def output_fn(*args, default_fn=default_fn, group_collectives=group_collectives):
+                calls.append(group_collectives)
+                default_fn(*args)
+
+            group._all_gather_output_fn = output_fn
+            if group_collectives:
+                model(torch.randn(4, 8)).sum().backward()
+            else:
+                with self.assertRaisesRegex(
+                    NotImplementedError, "does not run a custom all-gather output function"
+                ):
+                    model(torch.randn(4, 8))
+        self.assertTrue(calls)
+        self.assertNotIn(False, calls)
+
     def test_trace_two_blocks(self):
         """Tests the exact collective sequence of one training step of a
         two-block model in both modes."""
