@@ -192,28 +192,33 @@ class TestFullyShardMemTracker(FSDPExtTestMultiProcess, ParityMixin):
         self.assertEqual(len(modules), 3)
         return plain(tracker.get_tracker_snapshot("peak")), modules
 
-    def test_mem_tracker_reports_our_categories(self):
-        """Tests that ``FSDPMemTracker`` tracks the vendored FSDP2 in both modes:
-        sharded parameters, buffers and optimizer states as upstream in every
-        snapshot; in forward, grouped collectives report byte for byte what
-        upstream reports, and per-parameter collectives the same except for no
-        all-gather buffer (totals lower by exactly upstream's); per-parameter
-        collectives never report all-gather or reduce-scatter buffers.
+    def test_mem_tracker_reports_our_categories_grouped(self):
+        """Tests that ``FSDPMemTracker`` tracks the vendored FSDP2 with grouped
+        collectives: sharded parameters, buffers and optimizer states as
+        upstream in every snapshot, and in forward every category byte for
+        byte what upstream reports.
 
         Backward snapshots are not compared byte for byte: gloo frees a
         collective's buffers when its worker thread finishes, so they depend on
         timing (upstream's own peak varies under load)."""
-        ref_peak, ref_modules = self._track(UPSTREAM, {})
-        self.run_subtests(
-            {"group_collectives": [True, False]},
-            self._test_mem_tracker_reports_our_categories,
-            ref_peak=ref_peak,
-            ref_modules=ref_modules,
-        )
+        self._test_mem_tracker_reports_our_categories(group_collectives=True)
 
-    def _test_mem_tracker_reports_our_categories(
-        self, group_collectives: bool, ref_peak: dict, ref_modules: dict
-    ):
+    def test_mem_tracker_reports_our_categories_per_param(self):
+        """Tests that ``FSDPMemTracker`` tracks the vendored FSDP2 with
+        per-parameter collectives: sharded parameters, buffers and optimizer
+        states as upstream in every snapshot, never an all-gather or
+        reduce-scatter buffer, and in forward the other categories as upstream
+        (totals lower by exactly upstream's all-gather buffer).
+
+        Each mode runs in processes of its own: after a grouped run in the
+        same process, this one once reported that run's all-gather buffer size
+        (4,416 B at the root's post-forward) with no all-gather of its own
+        (every tagging op traced): state left in the process, 2 of 19 runs on
+        torch 2.15.0, 0 of 10 with this mode alone."""
+        self._test_mem_tracker_reports_our_categories(group_collectives=False)
+
+    def _test_mem_tracker_reports_our_categories(self, group_collectives: bool):
+        ref_peak, ref_modules = self._track(UPSTREAM, {})
         peak, modules = self._track(EXT, {"group_collectives": group_collectives})
         all_gather, reduce_scatter = str(_FSDPRefType.ALL_GATHER), str(_FSDPRefType.REDUCE_SCATTER)
         # Categories that cannot depend on how FSDP communicates
