@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcessTestCase
 from torch.testing._internal.common_fsdp import run_subtests
 from torch.testing._internal.common_utils import TestCase
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torch_fsdp_ext
 
@@ -70,6 +71,24 @@ class FSDPExtTestMultiProcess(MultiProcessTestCase):
 
     def run_subtests(self, *args, **kwargs):
         return run_subtests(self, *args, **kwargs)
+
+
+class FakeProcessGroupTestCase(TestCase):
+    """One process over the fake process group at ``world_size`` ranks, as rank 0.
+
+    Collectives move no data and complete at once, holding no tensor after they
+    return: memory measurements are deterministic (on gloo, a worker thread
+    drops a finished collective's tensors on its own schedule)."""
+
+    world_size = 4
+
+    def setUp(self) -> None:
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+        super().tearDown()
 
 
 def first_difference(actual: torch.Tensor, expected: torch.Tensor) -> str:

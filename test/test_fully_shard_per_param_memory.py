@@ -9,21 +9,18 @@ tensor memory of a CPU region").
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from common_fsdp_ext import EXT, Model
+from common_fsdp_ext import EXT, FakeProcessGroupTestCase, Model
 from torch.testing._internal.common_utils import (
-    TestCase,
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
 )
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torch_fsdp_ext._testing.comm_recorder import CommRecorder
 from torch_fsdp_ext._testing.memory import step_peak_bytes
 
-WORLD_SIZE = 4
+WORLD_SIZE = FakeProcessGroupTestCase.world_size
 FP32_BYTES = 4
 # Every dim-0 divides by the world size: Shard(0) without padding
 DIM, HIDDEN, NUM_BLOCKS, BATCH = 256, 1024, 3, 4
@@ -52,17 +49,7 @@ def _build(group_collectives: bool, *, per_block: bool, **kwargs) -> nn.Module:
     return model
 
 
-class _FakeProcessGroupTestCase(TestCase):
-    def setUp(self):
-        super().setUp()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-
-    def tearDown(self):
-        dist.destroy_process_group()
-        super().tearDown()
-
-
-class TestFullyShardPerParamMemory(_FakeProcessGroupTestCase):
+class TestFullyShardPerParamMemory(FakeProcessGroupTestCase):
     def _peaks(self, group_collectives: bool, *, per_block: bool) -> tuple[int, int]:
         model = _build(group_collectives, per_block=per_block)
         return step_peak_bytes(model, torch.randn(BATCH, DIM))
@@ -106,7 +93,7 @@ class TestFullyShardPerParamMemory(_FakeProcessGroupTestCase):
         )
 
 
-class TestFullyShardPerParamMemoryMixedPrecision(_FakeProcessGroupTestCase):
+class TestFullyShardPerParamMemoryMixedPrecision(FakeProcessGroupTestCase):
     """bf16 parameters whose gradients are reduced in fp32: every gradient
     needs a cast, so per-parameter mode reads none in place and makes a
     temporary for each (the common torchtitan setting)."""
