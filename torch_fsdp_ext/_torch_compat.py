@@ -3,15 +3,23 @@
 torch recognises FSDP2 in three ways. ``isinstance(..., FSDPModule)``
 (pipelining, ``fsdp2_mem_tracker``, Dynamo's guards) already holds, since our
 ``FSDPModule`` subclasses torch's. The other two key on upstream's identity and
-are bridged here, each through the smallest hook torch offers. Both are
-private torch helpers (no public API exists for either); drop each once the
-upstream change named in its comment lands.
+are bridged here, each through the smallest hook torch offers. Last, each
+``fully_shard`` is made to refuse a model that the other already shards in
+part. All are private torch helpers (no public API exists for any); drop each
+bridge once the upstream change named in its comment lands.
 """
+
+import functools
 
 import torch._dynamo.trace_rules as _trace_rules
 import torch.distributed.fsdp as _upstream_fsdp
+import torch.distributed.fsdp._fully_shard._fsdp_init as _upstream_init
+import torch.distributed.fsdp._fully_shard._fsdp_state as _upstream_state
+from torch.distributed._composable_state import _get_module_state
 
 from ._fully_shard import FSDPModule
+from ._fully_shard import _fsdp_init as _ext_init
+from ._fully_shard import _fsdp_state as _ext_state
 
 
 def _register_with_dynamo() -> None:
@@ -54,5 +62,56 @@ def _register_with_pipelining() -> None:
     _upstream_fsdp.fully_shard.state = state
 
 
+def _forbid_mixing_with_upstream() -> None:
+    # Each FSDP2 finds the modules it manages by skipping submodules that hold
+    # a state of its own class. To either one, a submodule sharded by the other
+    # looks unsharded: its DTensor parameters are taken for tensor-parallel
+    # ones, and the model fails later and obscurely ("Cannot concatenate
+    # overlapping meshes" in fully_shard, or "Invariant encountered: value was
+    # None" at the first forward). Fail in fully_shard instead, naming both.
+    # The hook is the managed-module lookup both ``fully_shard`` use; no
+    # public one exists.
+    upstream_name, ext_name = "torch.distributed.fsdp.fully_shard", "torch_fsdp_ext.fully_shard"
+    for init, name, other_state_cls, other_name in (
+        (_upstream_init, upstream_name, _ext_state.FSDPState, ext_name),
+        (_ext_init, ext_name, _upstream_state.FSDPState, upstream_name),
+    ):
+        get_managed_modules = init._get_managed_modules
+        if getattr(get_managed_modules, "_torch_fsdp_ext_checked", False):
+            continue
+
+        @functools.wraps(get_managed_modules)
+        def checked(
+            root_modules,
+            ignored_params=None,
+            is_composable_fn=None,
+            get_state_fn=None,
+            *,
+            _get=get_managed_modules,
+            _name=name,
+            _other_state_cls=other_state_cls,
+            _other_name=other_name,
+        ):
+            # ``get_state_fn`` is None for fully_shard's own lookup (not
+            # replicate's)
+            if get_state_fn is None:
+                for root in root_modules:
+                    for fqn, module in root.named_modules():
+                        if isinstance(_get_module_state(module), _other_state_cls):
+                            raise ValueError(
+                                f"{_name} cannot shard a model in which {_other_name} "
+                                f"already shards '{fqn}': they are separate FSDP2 "
+                                "implementations and neither manages the other's "
+                                "modules. Use one of them for the whole model "
+                                f"({ext_name} with group_collectives=True behaves "
+                                f"as {upstream_name})."
+                            )
+            return _get(root_modules, ignored_params, is_composable_fn, get_state_fn)
+
+        checked._torch_fsdp_ext_checked = True
+        init._get_managed_modules = checked
+
+
 _register_with_dynamo()
 _register_with_pipelining()
+_forbid_mixing_with_upstream()

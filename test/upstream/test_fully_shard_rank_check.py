@@ -1,0 +1,200 @@
+# Owner(s): ["oncall: distributed"]
+
+import datetime
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_fsdp import FSDPTestMultiThread
+from torch.testing._internal.common_utils import run_tests
+
+from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_collectives import DeterministicReduceScatter
+from torch_fsdp_ext._fully_shard._fsdp_common import ShardPlacementResult
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+
+def _shard(model: nn.Sequential, **kwargs) -> nn.Sequential:
+    fully_shard(model[0], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class TestFullyShardRankCheck(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _per_rank_cases(self) -> dict[str, tuple[str, Callable[[int], dict]]]:
+        """Misuse by name: the field the error must name, and the ``fully_shard``
+        kwargs of each rank."""
+        # A second mesh over the same ranks: a group of its own
+        other_mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("ep",))
+        return {
+            "mode": ("group_collectives", lambda r: {"group_collectives": r == 0}),
+            # Same shard size (8x8 on 2 ranks): would train on wrong data
+            "placement": (
+                "placement",
+                lambda r: {"shard_placement_fn": lambda p: Shard(r % p.ndim)},
+            ),
+            "reshard_after_forward": (
+                "reshard_after_forward",
+                lambda r: {"reshard_after_forward": r == 0},
+            ),
+            "param_dtype": (
+                "param_dtype",
+                lambda r: {
+                    "mp_policy": MixedPrecisionPolicy(
+                        param_dtype=torch.bfloat16 if r == 0 else None
+                    )
+                },
+            ),
+            "second_mesh": (
+                "parameters",
+                lambda r: {
+                    "shard_placement_fn": lambda p: (
+                        ShardPlacementResult(Shard(0), mesh=other_mesh)
+                        if r == 0 and p.ndim == 1
+                        else None
+                    )
+                },
+            ),
+        }
+
+    def test_mismatch_raises_on_every_rank(self):
+        """Tests that ranks sharding a module differently each raise one
+        ``ValueError`` at lazy init naming the module, the field and both
+        ranks, before any FSDP collective, for each field that drives the
+        collectives."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        for case, (field, kwargs_of) in self._per_rank_cases().items():
+            with self.subTest(case=case):
+                model = _shard(_model(), mesh=mesh, **kwargs_of(self.rank))
+                with self.assertRaisesRegex(
+                    ValueError,
+                    f"module '.*' on the mesh of ranks \\[0, 1\\]: .*{field}.* on rank "
+                    "\\d but .* on rank \\d",
+                ):
+                    model(torch.randn(2, 8))
+
+    def test_shape_mismatch_names_sharded_shape(self):
+        """Tests that a parameter of another size on one rank is named with
+        both sharded shapes."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8 if self.rank == 0 else 6)
+        fully_shard(model, mesh=mesh)
+        with self.assertRaisesRegex(
+            ValueError,
+            "parameter 'weight' padded sharded shape is \\(4, 8\\) on rank 0 but \\(3, 8\\) on rank 1",
+        ):
+            model(torch.randn(2, 8))
+
+    def test_custom_comm_on_one_rank_raises(self):
+        """Tests that a custom reduce-scatter set on one rank only is named."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = _shard(_model(), mesh=mesh)
+        if self.rank == 0:
+            model.set_custom_reduce_scatter(DeterministicReduceScatter())
+        with self.assertRaisesRegex(
+            ValueError, "reduce-scatter comm is 'DeterministicReduceScatter' on rank 0"
+        ):
+            model(torch.randn(2, 8))
+
+    def test_consistent_ranks_check_once(self):
+        """Tests that agreeing ranks train, that the check exchanges one
+        16-byte digest per mesh with one ``all_gather_object`` at lazy init and
+        nothing in later steps, and that a change made on every rank is
+        re-checked once, at the next forward."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = _shard(_model(), mesh=mesh)
+        calls = []
+        all_gather_object = dist.all_gather_object
+
+        def recording(output, obj, group=None):
+            # The threads of every rank share the patched function
+            if dist.get_rank() == self.rank:
+                calls.append(obj)
+            return all_gather_object(output, obj, group=group)
+
+        dist.all_gather_object = recording
+        try:
+            for _ in range(3):
+                model(torch.randn(2, 8)).sum().backward()
+        finally:
+            dist.all_gather_object = all_gather_object
+        self.assertEqual(len(calls), 1)
+        self.assertEqual([len(d) for d in calls[0].values()], [16])
+        state = model._get_fsdp_state()
+        self.assertEqual(state._state_ctx.rank_check_round, 0)
+        model.set_group_collectives(False)
+        model.set_group_collectives(False)
+        model(torch.randn(2, 8)).sum().backward()
+        self.assertEqual(state._state_ctx.rank_check_round, 1)
+        # No change, no re-check
+        model.set_group_collectives(False)
+        model(torch.randn(2, 8)).sum().backward()
+        self.assertEqual(state._state_ctx.rank_check_round, 1)
+
+    def test_check_can_be_disabled(self):
+        """Tests that ``set_rank_consistency_check(False)`` on the root skips
+        the check: a placement mismatch of equal shard sizes then trains."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = _shard(_model(), mesh=mesh, shard_placement_fn=lambda p: Shard(self.rank % p.ndim))
+        model.set_rank_consistency_check(False)
+        model(torch.randn(2, 8)).sum().backward()
+
+
+class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+    def test_change_on_one_rank_raises(self):
+        """Tests that ``set_group_collectives`` on one rank only ends in a Python
+        error within the process-group timeout: the changed rank's re-check
+        waits on the store, not in a collective that would pair with the other
+        rank's all-gather (a native abort on gloo), and names the fix."""
+        dist.init_process_group(
+            "gloo",
+            rank=self.rank,
+            world_size=self.world_size,
+            store=dist.FileStore(self.file_name, self.world_size),
+            timeout=datetime.timedelta(seconds=5),
+        )
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = _shard(_model(), mesh=mesh)
+        model(torch.randn(2, 8)).sum().backward()
+        if self.rank == 0:
+            model.set_group_collectives(False)
+            with self.assertRaisesRegex(
+                ValueError, "rank 0 changed how it communicates .* ranks \\[1\\] .* every rank"
+            ):
+                model(torch.randn(2, 8))
+        else:
+            # Its all-gather has no peer: gloo's timeout
+            with self.assertRaisesRegex(RuntimeError, "[Tt]imed out"):
+                model(torch.randn(2, 8))
+        # Skip interpreter teardown, where gloo's worker threads may still
+        # hold tensors of the failed collective
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    run_tests()
