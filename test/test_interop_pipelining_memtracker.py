@@ -217,10 +217,10 @@ class TestFullyShardMemTracker(FakeProcessGroupTestCase):
     def test_mem_tracker_reports_per_param(self):
         """Tests that ``FSDPMemTracker`` tracks the vendored FSDP2 with
         per-parameter collectives: sharded parameters, buffers and optimizer
-        states as upstream in every snapshot; in forward no all-gather buffer
-        and every other category as upstream, so the total is upstream's less
-        its all-gather buffer; in backward a total and a step peak never above
-        upstream's.
+        states as upstream in every snapshot; in forward (but at peaks, which
+        move) no all-gather buffer and every other category as upstream, so
+        the total is upstream's less its all-gather buffer; everywhere a total
+        and step peaks never above upstream's.
 
         Backward categories are not compared one by one: the tracker tags
         each all-gather output as an all-gather buffer, and per parameter that
@@ -246,7 +246,9 @@ class TestFullyShardMemTracker(FakeProcessGroupTestCase):
                     for category in fixed:
                         self.assertEqual(snapshot[category], ref_snapshot[category], msg=what)
                     self.assertLessEqual(snapshot["Total"], ref_snapshot["Total"], msg=what)
-                    if "FW" not in state:
+                    # A peak is taken where the total peaks, which moves (torch
+                    # 2.14.1: upstream's root peak holds two all-gather buffers)
+                    if "FW" not in state or "PEAK" in state:
                         continue
                     forward_states += 1
                     self.assertEqual(snapshot[all_gather], 0, msg=what)
