@@ -114,7 +114,8 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
     def test_consistent_ranks_check_once(self):
         """Tests that agreeing ranks train, that the check exchanges one
         16-byte digest per mesh with one ``all_gather_object`` at lazy init and
-        nothing in later steps, and that a change made on every rank is
+        nothing in later steps, and that each change made on every rank
+        (``set_group_collectives``, ``set_reshard_after_forward``) is
         re-checked once, at the next forward."""
         mesh = init_device_mesh("cpu", (self.world_size,))
         model = _shard(_model(), mesh=mesh)
@@ -145,6 +146,10 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         model.set_group_collectives(False)
         model(torch.randn(2, 8)).sum().backward()
         self.assertEqual(state._state_ctx.rank_check_round, 1)
+        # The child stops resharding after forward: its backward all-gather goes
+        model.set_reshard_after_forward(False)
+        model(torch.randn(2, 8)).sum().backward()
+        self.assertEqual(state._state_ctx.rank_check_round, 2)
 
     def test_check_can_be_disabled(self):
         """Tests that ``set_rank_consistency_check(False)`` on the root skips
