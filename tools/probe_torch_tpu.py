@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,11 +82,12 @@ def _install(target: Path, version: str) -> None:
     ).stdout.split("\n")
     subprocess.run([*pip, *[r for r in requires if r]], check=True, env=env)
     log.info("installing examples/fsdp_backend_tpu (no dependencies: torch_fsdp_ext is here)")
-    subprocess.run(
-        [*pip, "--no-deps", "--no-build-isolation", str(REPO / "examples" / "fsdp_backend_tpu")],
-        check=True,
-        env=env,
-    )
+    # Built from a copy: setuptools leaves build/ and *.egg-info in the source
+    with tempfile.TemporaryDirectory() as tmp:
+        example = shutil.copytree(REPO / "examples" / "fsdp_backend_tpu", Path(tmp) / "example")
+        subprocess.run(
+            [*pip, "--no-deps", "--no-build-isolation", str(example)], check=True, env=env
+        )
 
 
 def _check(target: Path, name: str, code: str, timeout: int) -> None:
