@@ -23,6 +23,7 @@ docs/backends.md records its output.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -67,20 +68,9 @@ def _install(target: Path, version: str) -> None:
     pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target)]
     log.info("installing torch-tpu==%s and its dependencies except torch into %s", version, target)
     subprocess.run([*pip, "--no-deps", f"torch-tpu=={version}"], check=True, env=env)
-    requires = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import importlib.metadata as m, sys; "
-            "print('\\n'.join(r for r in m.distribution('torch_tpu').requires "
-            "if not r.startswith('torch')))",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(target)},
-    ).stdout.split("\n")
-    subprocess.run([*pip, *[r for r in requires if r]], check=True, env=env)
+    (dist,) = importlib.metadata.distributions(name="torch_tpu", path=[str(target)])
+    requires = [r for r in dist.requires or [] if not r.startswith("torch")]
+    subprocess.run([*pip, *requires], check=True, env=env)
     log.info("installing examples/fsdp_backend_tpu (no dependencies: torch_fsdp_ext is here)")
     # Built from a copy: setuptools leaves build/ and *.egg-info in the source
     with tempfile.TemporaryDirectory() as tmp:
