@@ -254,6 +254,45 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         self.assertTrue(calls)
         self.assertNotIn(False, calls)
 
+    def test_all_gather_per_param_storage_lives_until_next_copy_out(self):
+        """Tests when the per-parameter path frees a block's unsharded
+        storages: in forward, not at the block's reshard but at the next
+        block's copy-out (the next all-gather may run on its own stream while
+        the current one still reads the block, so there is no
+        ``record_stream``), the last block's at the root's post-forward; in
+        backward, at reshard."""
+        model = _two_block_model(group_collectives=False)
+        inp = torch.randn(4, 8)
+        model(inp).sum().backward()  # lazy init
+        comm_ctx = model._get_fsdp_state()._comm_ctx
+
+        def allocated(block: nn.Module) -> list[bool]:
+            return [
+                t.untyped_storage().size() > 0
+                for fsdp_param in _groups(block)[0].fsdp_params
+                for t in fsdp_param.all_gather_outputs
+            ]
+
+        seen = {}
+
+        def record(when: str):
+            def hook(*_) -> None:
+                seen[when] = allocated(model[0])
+
+            return hook
+
+        # FSDP's pre-forward hook is prepended, so this one runs before it
+        model[1].register_forward_pre_hook(record("before block 1 unshard"), prepend=True)
+        model[1].register_forward_pre_hook(record("after block 1 copy-out"))
+        out = model(inp)
+        self.assertEqual(seen["before block 1 unshard"], [True] * 4)
+        self.assertEqual(seen["after block 1 copy-out"], [False] * 4)
+        self.assertIsNone(comm_ctx.resharded_all_gather_outputs)
+        self.assertEqual(allocated(model[1]), [False] * 4)
+        out.sum().backward()
+        self.assertIsNone(comm_ctx.resharded_all_gather_outputs)
+        self.assertEqual(allocated(model[0]) + allocated(model[1]), [False] * 8)
+
     def test_trace_two_blocks(self):
         """Tests the exact collective sequence of one training step of a
         two-block model in both modes."""
@@ -300,6 +339,36 @@ backward reduce_scatter 32
 backward reduce_scatter 256
 backward reduce_scatter 8""",
         )
+
+
+class _TwiceCalledBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.block = MLP(dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.block(x)))
+
+
+class TestFullyShardGroupCollectivesRepeatedBlock(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_block_called_twice_in_forward(self):
+        """Tests that a block run twice in one forward, whose unsharded
+        storages are still held from its first reshard when it all-gathers
+        again, trains bitwise as in grouped mode."""
+        torch.manual_seed(42)
+        base = _TwiceCalledBlock(8)
+        models = []
+        for group_collectives in (False, True):
+            model = copy.deepcopy(base)
+            fully_shard(model.block, group_collectives=group_collectives)
+            fully_shard(model, group_collectives=group_collectives)
+            models.append(model)
+        _train_and_compare(self, models, 8)
 
 
 class TestFullyShardGroupCollectivesParity(FSDPTestMultiThread):

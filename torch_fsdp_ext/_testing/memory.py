@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 
 import torch
@@ -31,16 +32,23 @@ def profile_step(
 ) -> torch.profiler.profile:
     """Profiles memory over a warm-up step (lazy init) and one measured step,
     marked ``{warmup,measured}_{forward,backward}`` with ``record_function``;
-    the forward is ``loss_fn(model, inp)``."""
-    with torch.profiler.profile(profile_memory=True) as prof:
-        for step in ("warmup", "measured"):
-            with record_function(f"{step}_forward"):
-                loss = loss_fn(model, inp)
-            with record_function(f"{step}_backward"):
-                loss.backward()
-            del loss
-            for param in model.parameters():
-                param.grad = None
+    the forward is ``loss_fn(model, inp)``. The cycle collector is off while
+    profiling: tensors of an earlier profiled run that it frees would lower
+    the allocator's running total in the middle of the measured step."""
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.profiler.profile(profile_memory=True) as prof:
+            for step in ("warmup", "measured"):
+                with record_function(f"{step}_forward"):
+                    loss = loss_fn(model, inp)
+                with record_function(f"{step}_backward"):
+                    loss.backward()
+                del loss
+                for param in model.parameters():
+                    param.grad = None
+    finally:
+        gc.enable()
     return prof
 
 
