@@ -2,6 +2,8 @@
 unregistering restores upstream bit for bit, entry-point discovery, and the
 TorchTPU-style worked example in ``examples/fsdp_backend_tpu``."""
 
+import contextlib
+import copy
 import os
 import shutil
 import subprocess
@@ -15,13 +17,17 @@ from common_fsdp_ext import (
     EXT,
     UPSTREAM,
     FSDPExtTestMultiProcess,
+    Model,
     ParityConfig,
     ParityMixin,
     on_fsdp_modules,
+    train_in_lockstep,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
+from torch_fsdp_ext import DeterministicReduceScatter
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fsdp_backend_tpu"
@@ -62,32 +68,132 @@ class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
             model = torch_fsdp_ext.fully_shard(torch.nn.Linear(8, 8))
             model(torch.randn(2, 8)).sum().backward()
             self.assertFalse(model._get_fsdp_state()._fsdp_param_groups[0].group_collectives)
-            torch_fsdp_ext.unregister_fsdp_backend("cpu")
-            try:
-                self.check_parity(ParityConfig(), (EXT, {}), (UPSTREAM, {}))
-            finally:
-                torch_fsdp_ext.register_fsdp_backend("cpu", backend)
+        self.assertIsNone(torch_fsdp_ext.get_fsdp_backend("cpu"))
+        self.check_parity(ParityConfig(), (EXT, {}), (UPSTREAM, {}))
 
-    def test_tpu_example_trains_on_cpu(self):
-        """Tests that the worked TorchTPU example, registered for ``"cpu"`` as
-        a stand-in, makes plain ``fully_shard`` per-parameter with its comms,
-        and trains bitwise like default grouped FSDP (world size 2)."""
-        previous = torch_fsdp_ext.get_fsdp_backend("cpu")
-        fsdp_backend_example_tpu.register("cpu")
-        try:
-            calls_before = fsdp_backend_example_tpu.TPUReduceScatter.calls
-            self.check_parity(
-                ParityConfig(),
-                (EXT, {}),
-                (EXT, {"group_collectives": True}),
-                variant_after_shard=lambda model: self.assertFalse(
-                    model._get_fsdp_state()._fsdp_param_groups[0].group_collectives
-                ),
-            )
-            self.assertGreater(fsdp_backend_example_tpu.TPUReduceScatter.calls, calls_before)
-        finally:
-            torch_fsdp_ext.unregister_fsdp_backend("cpu")
-            torch_fsdp_ext.register_fsdp_backend("cpu", previous)
+
+class _Recording:
+    """Records a comm's calls and what it was handed; keeps every allocation
+    (so that no two share an address)."""
+
+    def __init__(self):
+        self.foreach_pairs: list[int] = []
+        self.calls = 0
+        self.allocated: list[torch.Tensor] = []
+        self.not_allocated: list[torch.Size] = []
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(super().allocate(size, dtype=dtype, device=device))
+        return self.allocated[-1]
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+class _RecordingTPUAllGather(_Recording, fsdp_backend_example_tpu.TPUAllGather):
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        _record_not_allocated(self, output_tensors)
+        return super().foreach(output_tensors, input_tensors, group, async_op)
+
+
+class _RecordingTPUReduceScatter(_Recording, fsdp_backend_example_tpu.TPUReduceScatter):
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        _record_not_allocated(self, output_tensors + input_tensors)
+        return super().foreach(output_tensors, input_tensors, group, op, async_op)
+
+
+def _record_not_allocated(comm, tensors: list[torch.Tensor]) -> None:
+    """Records each of ``tensors`` that lies in no buffer from ``comm.allocate``."""
+    ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in comm.allocated]
+    for tensor in tensors:
+        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+        if not any(lo <= start and end <= hi for lo, hi in ranges):
+            comm.not_allocated.append(tensor.size())
+
+
+class _TPUExampleParity(ParityMixin):
+    """Trains a model sharded with the example backend registered for
+    ``"cpu"`` (a stand-in device) against one sharded per parameter with
+    FSDP's default comms, in lockstep, bitwise."""
+
+    def _check_example_against_default(self, ref_after_shard=lambda model: None) -> dict:
+        torch.manual_seed(42)
+        base = Model(16, 32).to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        backend = torch_fsdp_ext.FSDPBackend(
+            group_collectives=False,
+            all_gather_comm=_RecordingTPUAllGather,
+            reduce_scatter_comm=_RecordingTPUReduceScatter,
+            supports_premul_sum=True,
+        )
+        models = []
+        for registered in (True, False):
+            model = copy.deepcopy(base)
+            with _registered("cpu", backend) if registered else contextlib.nullcontext():
+                for module in (*model.blocks, model):
+                    torch_fsdp_ext.fully_shard(module, mesh=mesh, group_collectives=False)
+            models.append(model)
+        ref_after_shard(models[1])
+        gen = torch.Generator()
+
+        def make_input(step: int) -> torch.Tensor:
+            gen.manual_seed(42 + self.rank + 1000 * step)
+            return torch.randn(4, 16, generator=gen)
+
+        num_steps = 3
+        train_in_lockstep(self, models[0], models[1], make_input, num_steps=num_steps)
+        groups = [
+            group
+            for module in (*models[0].blocks, models[0])
+            for group in module._get_fsdp_state()._fsdp_param_groups
+        ]
+        return {"groups": groups, "num_steps": num_steps}
+
+    def _assert_one_call_per_group(self, groups: list, num_steps: int) -> None:
+        """Each group's comms got one ``foreach`` per all-gather and per
+        reduce-scatter, with a pair per parameter, no per-tensor call, and
+        only tensors from their own ``allocate``."""
+        for group in groups:
+            num_params = len(group.fsdp_params)
+            ag, rs = group._all_gather_comm, group._reduce_scatter_comm
+            # Forward, and again in backward unless the root (no reshard)
+            ag_per_step = 1 if group._module_fqn == "" else 2
+            self.assertEqual(ag.foreach_pairs, [num_params] * ag_per_step * num_steps)
+            self.assertEqual(rs.foreach_pairs, [num_params] * num_steps)
+            self.assertEqual((ag.calls, rs.calls), (0, 0))
+            self.assertEqual((ag.not_allocated, rs.not_allocated), ([], []))
+
+
+@pytest.mark.slow
+class TestFullyShardBackendExample(_TPUExampleParity, FSDPExtTestMultiProcess):
+    def test_one_fused_call_per_group_bitwise_default_comms(self):
+        """Tests that with the worked TorchTPU example registered (stand-in
+        device ``"cpu"``, world size 2, gloo) plain ``fully_shard`` trains
+        bitwise like per-parameter FSDP with its default comms, while each
+        parameter group's comm gets one ``foreach`` call per all-gather and
+        per reduce-scatter (one c10d collective each) and provides every
+        buffer from its ``allocate``."""
+        result = self._check_example_against_default()
+        self._assert_one_call_per_group(result["groups"], result["num_steps"])
+
+
+@pytest.mark.slow
+class TestFullyShardBackendExampleW4(_TPUExampleParity, FSDPExtTestMultiProcess):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_bitwise_deterministic_reduce_scatter_at_world_size_4(self):
+        """Tests that at world size 4, where gloo's own sums depend on message
+        size, the example's fused reduce-scatter (rank-order sum) trains
+        bitwise like per-parameter FSDP with ``DeterministicReduceScatter``."""
+        result = self._check_example_against_default(
+            on_fsdp_modules(lambda m: m.set_custom_reduce_scatter(DeterministicReduceScatter()))
+        )
+        self._assert_one_call_per_group(result["groups"], result["num_steps"])
 
 
 class TestFullyShardBackendEntryPoints(TestCase):

@@ -2,6 +2,7 @@
 
 import contextlib
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -10,10 +11,12 @@ import torch.nn as nn
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fsdp_ext import fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_backend import (
+    _get_comm_capabilities,
     FSDPBackend,
     get_fsdp_backend,
     register_fsdp_backend,
@@ -122,8 +125,8 @@ class TestFullyShardBackendRegistry(TestCase):
             register_fsdp_backend("meta", {"group_collectives": False})
         with self.assertRaisesRegex(TypeError, "group_collectives must be a bool or None"):
             FSDPBackend(group_collectives="no")
-        with self.assertRaisesRegex(TypeError, "supports_avg must be a bool"):
-            FSDPBackend(supports_avg=None)
+        with self.assertRaisesRegex(TypeError, "supports_avg must be a bool or None"):
+            FSDPBackend(supports_avg="no")
         with self.assertRaisesRegex(TypeError, "reduce_scatter_comm must be a zero-argument"):
             FSDPBackend(reduce_scatter_comm=DefaultReduceScatter())
         with self.assertRaisesRegex(ValueError, "No FSDP backend is registered for 'meta'"):
@@ -133,7 +136,7 @@ class TestFullyShardBackendRegistry(TestCase):
         """Tests that a backend without PREMUL_SUM (divide factor) or without
         AVG reduces with exactly the ops and factors of
         ``set_force_sum_reduction_for_comms(True)``."""
-        pg = _FakeGroup(4)
+        pg = _FakeGroup(4, _NCCL)
         forced = _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0, True)
         with _registered("meta", FSDPBackend(supports_premul_sum=False)):
             self.assertEqual(
@@ -150,17 +153,84 @@ class TestFullyShardBackendRegistry(TestCase):
                 _get_gradient_divide_factors(pg, None, torch.float32, "meta", None),
                 forced_avg,
             )
-        # Without a backend, the divide factor uses PREMUL_SUM
+        # Without a registration, NCCL's divide factor uses PREMUL_SUM
         _, _, op, _ = _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0)
         self.assertNotEqual(op, dist.ReduceOp.SUM)
 
 
+class _C10dBackend:
+    """What FSDP asks of a process group's c10d backend."""
+
+    def __init__(self, name: str, supports_coalescing: bool):
+        self._name = name
+        self.supports_coalescing = supports_coalescing
+
+    def name(self) -> str:
+        return self._name
+
+
+_NCCL = _C10dBackend("nccl", supports_coalescing=True)
+_GLOO = _C10dBackend("gloo", supports_coalescing=False)
+
+
 class _FakeGroup:
-    def __init__(self, size: int):
+    """A process group of ``size`` ranks whose c10d backend for "meta" is
+    ``backend`` (none if ``None``)."""
+
+    def __init__(self, size: int, backend: _C10dBackend | None = None):
         self._size = size
+        self._backend = backend
+        self._device_types = [] if backend is None else [torch.device("meta")]
 
     def size(self) -> int:
         return self._size
+
+    def _get_backend(self, device: torch.device) -> _C10dBackend:
+        return self._backend
+
+
+class TestFullyShardBackendCapabilities(TestCase):
+    def test_capabilities_follow_the_process_group(self):
+        """Tests that coalescing and ``PREMUL_SUM`` come from the process
+        group's c10d backend for the device (NCCL has both, gloo neither, a
+        group without a backend for the device reports none), the same on
+        any device type, and that a registration for the device type
+        overrides exactly the capabilities it sets."""
+        meta = torch.device("meta")
+        for backend, expected in (
+            (_NCCL, (True, True, True)),
+            (_GLOO, (False, True, False)),
+            (None, (False, True, False)),
+        ):
+            caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
+            self.assertEqual(tuple(caps), expected, msg=backend and backend.name())
+        with _registered("meta", FSDPBackend(supports_coalescing=False, supports_avg=False)):
+            caps = _get_comm_capabilities(_FakeGroup(2, _NCCL), meta)
+        self.assertEqual(tuple(caps), (False, False, True))
+        with _registered("meta", FSDPBackend(supports_premul_sum=True)):
+            caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
+        self.assertEqual(tuple(caps), (False, True, True))
+
+    def test_divide_factor_follows_the_process_group(self):
+        """Tests that a divide factor reduces with ``PREMUL_SUM`` on an NCCL
+        group and with ``SUM`` plus FSDP's own divides on a gloo group, with
+        no registration, and on a real (fake) c10d process group."""
+        ops = {
+            name: _get_gradient_divide_factors(group, None, torch.float32, "meta", 3.0)[2]
+            for name, group in (("nccl", _FakeGroup(4, _NCCL)), ("gloo", _FakeGroup(4, _GLOO)))
+        }
+        self.assertNotEqual(ops["nccl"], dist.ReduceOp.SUM)
+        self.assertEqual(ops["gloo"], dist.ReduceOp.SUM)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        try:
+            group = dist.group.WORLD
+            self.assertEqual(
+                tuple(_get_comm_capabilities(group, torch.device("cpu"))), (False, True, False)
+            )
+            factors = _get_gradient_divide_factors(group, None, torch.float32, "cpu", 3.0)
+            self.assertEqual(factors[2], dist.ReduceOp.SUM)
+        finally:
+            dist.destroy_process_group()
 
 
 class TestFullyShardBackendDefaults(TestCase):
@@ -315,6 +385,102 @@ class TestFullyShardBackendDefaults(TestCase):
         self.assertEqual(calls, [4])
         model(torch.randn(4, 8)).sum().backward()
         self.assertEqual(calls, [4])
+
+
+class ForeachAllGather(RecordingAllGather):
+    """Records the pairs of each ``foreach`` call; the base issues them."""
+
+    def __init__(self):
+        super().__init__()
+        self.foreach_pairs: list[int] = []
+
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        return super().foreach(output_tensors, input_tensors, group, async_op)
+
+
+class ForeachReduceScatter(RecordingReduceScatter):
+    def __init__(self):
+        super().__init__()
+        self.foreach_pairs: list[int] = []
+
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        return super().foreach(output_tensors, input_tensors, group, op, async_op)
+
+
+class _C10dOpCounter(TorchDispatchMode):
+    """Counts the c10d ops dispatched, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.ops[func._schema.name.split("::")[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class TestFullyShardCommForeach(TestCase):
+    """Single process over the fake process group at world size 2."""
+
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def test_one_foreach_call_per_group_and_collective(self):
+        """Tests that per parameter each group's comms get one ``foreach`` call
+        per all-gather and per reduce-scatter, with a pair per parameter, and
+        that the default ``foreach`` calls ``__call__`` once per pair; grouped,
+        the reduce-scatter gets one pair (the flat buffer)."""
+        for group_collectives in (False, True):
+            torch.manual_seed(42)
+            model = nn.Sequential(MLP(8), MLP(8))
+            comms = []
+            for mlp in model:
+                fully_shard(mlp, group_collectives=group_collectives)
+                comms.append((ForeachAllGather(), ForeachReduceScatter()))
+                mlp.set_custom_all_gather(comms[-1][0])
+                mlp.set_custom_reduce_scatter(comms[-1][1])
+            fully_shard(model, group_collectives=group_collectives)
+            model(torch.randn(4, 8)).sum().backward()
+            for all_gather, reduce_scatter in comms:
+                if group_collectives:
+                    # upstream's grouped all-gather calls the comm directly
+                    self.assertEqual(all_gather.foreach_pairs, [])
+                    self.assertEqual(reduce_scatter.foreach_pairs, [1])
+                else:
+                    # forward, and backward after resharding; 4 parameters
+                    self.assertEqual(all_gather.foreach_pairs, [4, 4])
+                    self.assertEqual(all_gather.calls, 8)
+                    self.assertEqual(reduce_scatter.foreach_pairs, [4])
+                    self.assertEqual(len(reduce_scatter.input_data_ptrs), 4)
+
+    def test_default_comms_coalesce_in_foreach_where_supported(self):
+        """Tests that the default comms' ``foreach`` issues one coalesced c10d
+        op per group where the process group supports coalescing (here by
+        registration, as the fake process group does not report it) and one
+        op per parameter where it does not."""
+        ops = {}
+        for coalescing in (False, True):
+            with _registered("cpu", FSDPBackend(supports_coalescing=coalescing)):
+                torch.manual_seed(42)
+                model = fully_shard(MLP(8), group_collectives=False)
+                inp = torch.randn(4, 8)
+                model(inp).sum().backward()  # lazy init
+                with _C10dOpCounter() as counter:
+                    model(inp).sum().backward()
+            ops[coalescing] = dict(counter.ops)
+        self.assertEqual(ops[False], {"_allgather_base_": 4, "_reduce_scatter_base_": 4})
+        self.assertEqual(
+            ops[True],
+            {"allgather_into_tensor_coalesced_": 1, "reduce_scatter_tensor_coalesced_": 1},
+        )
 
 
 if __name__ == "__main__":
