@@ -93,7 +93,9 @@ backward reduce_scatter_tensor_coalesced_ 16+16+512+32+512+16
 backward reduce_scatter_tensor_coalesced_ 16+16+512+32+512+16
 backward reduce_scatter_tensor_coalesced_ 256+16+128+8""",
         )
-        self.assertExpectedInline(per_param, """\
+        self.assertExpectedInline(
+            per_param,
+            """\
 forward _allgather_base_ 128
 forward _allgather_base_ 8
 forward _allgather_base_ 64
@@ -137,7 +139,8 @@ backward _reduce_scatter_base_ 16
 backward _reduce_scatter_base_ 256
 backward _reduce_scatter_base_ 16
 backward _reduce_scatter_base_ 128
-backward _reduce_scatter_base_ 8""")
+backward _reduce_scatter_base_ 8""",
+        )
         self.assertExpectedInline(
             grouped,
             """\

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch_fsdp_ext import fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_backend import (
-    _get_comm_capabilities,
     FSDPBackend,
+    _get_comm_capabilities,
     get_fsdp_backend,
     register_fsdp_backend,
     unregister_fsdp_backend,

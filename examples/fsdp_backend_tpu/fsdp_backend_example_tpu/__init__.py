@@ -50,9 +50,7 @@ class TPUAllGather(AllGather):
         device = input_tensors[0].device
         packed_input = self.allocate((sum(nbytes),), dtype=torch.uint8, device=device)
         torch.cat(inputs, out=packed_input)
-        packed_output = self.allocate(
-            (world_size * sum(nbytes),), dtype=torch.uint8, device=device
-        )
+        packed_output = self.allocate((world_size * sum(nbytes),), dtype=torch.uint8, device=device)
         dist.all_gather_into_tensor(packed_output, packed_input, group)
         per_rank = packed_output.view(world_size, -1).split(nbytes, dim=1)
         for output, gathered in zip(output_tensors, per_rank, strict=True):
