@@ -15,8 +15,9 @@ steps of a per-parameter mode, the bench registers for the device type a copy
 of its FSDPBackend with supports_coalescing set to the mode's choice (False
 for per-param-nocoalesce, True otherwise), and restores the previous
 registration afterwards. On the fake process group this makes per-param and
-deterministic run the coalesced code path of gloo and NCCL (the package itself
-does not coalesce on "fake").
+deterministic run the coalesced code path, and the same on gloo (the package
+itself coalesces only where the process group's backend reports
+supports_coalescing: NCCL, not gloo or "fake").
 
 Metrics per mode: median, quartiles and min/max of the step time (forward,
 backward, AdamW step, zero_grad; the max over ranks of each step), also as a
