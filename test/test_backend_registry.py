@@ -28,13 +28,13 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
 from torch_fsdp_ext import DeterministicReduceScatter
+from torch_fsdp_ext._testing.backends import registered_fsdp_backend
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fsdp_backend_tpu"
-sys.path[:0] = [str(Path(__file__).resolve().parent / "upstream"), str(EXAMPLE)]
+sys.path.insert(0, str(EXAMPLE))
 
 import fsdp_backend_example_tpu  # noqa: E402
-from test_fully_shard_backend import _registered  # noqa: E402
 
 
 @pytest.mark.slow
@@ -64,7 +64,7 @@ class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
             group_collectives=False,
             reduce_scatter_comm=fsdp_backend_example_tpu.TPUReduceScatter,
         )
-        with _registered("cpu", backend):
+        with registered_fsdp_backend("cpu", backend):
             model = torch_fsdp_ext.fully_shard(torch.nn.Linear(8, 8))
             model(torch.randn(2, 8)).sum().backward()
             self.assertFalse(model._get_fsdp_state()._fsdp_param_groups[0].group_collectives)
@@ -132,7 +132,9 @@ class _TPUExampleParity(ParityMixin):
         models = []
         for registered in (True, False):
             model = copy.deepcopy(base)
-            with _registered("cpu", backend) if registered else contextlib.nullcontext():
+            with (
+                registered_fsdp_backend("cpu", backend) if registered else contextlib.nullcontext()
+            ):
                 for module in (*model.blocks, model):
                     torch_fsdp_ext.fully_shard(module, mesh=mesh, group_collectives=False)
             models.append(model)
