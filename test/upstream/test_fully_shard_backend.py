@@ -88,6 +88,41 @@ class GradientReadingReduceScatter(RecordingReduceScatter):
     accepts_gradient_input = True
 
 
+class ForeachAllGather(RecordingAllGather):
+    """Records the pairs of each ``foreach`` call; the base issues them."""
+
+    def __init__(self):
+        super().__init__()
+        self.foreach_pairs: list[int] = []
+
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        return super().foreach(output_tensors, input_tensors, group, async_op)
+
+
+class ForeachReduceScatter(RecordingReduceScatter):
+    def __init__(self):
+        super().__init__()
+        self.foreach_pairs: list[int] = []
+
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        return super().foreach(output_tensors, input_tensors, group, op, async_op)
+
+
+class _C10dOpCounter(TorchDispatchMode):
+    """Counts the c10d ops dispatched, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.ops[func._schema.name.split("::")[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
 class TestFullyShardBackendRegistry(TestCase):
     def test_register_and_unregister(self):
         """Tests that a registered backend is returned for its device type and
@@ -385,53 +420,6 @@ class TestFullyShardBackendDefaults(TestCase):
         self.assertEqual(calls, [4])
         model(torch.randn(4, 8)).sum().backward()
         self.assertEqual(calls, [4])
-
-
-class ForeachAllGather(RecordingAllGather):
-    """Records the pairs of each ``foreach`` call; the base issues them."""
-
-    def __init__(self):
-        super().__init__()
-        self.foreach_pairs: list[int] = []
-
-    def foreach(self, output_tensors, input_tensors, group, async_op=False):
-        self.foreach_pairs.append(len(output_tensors))
-        return super().foreach(output_tensors, input_tensors, group, async_op)
-
-
-class ForeachReduceScatter(RecordingReduceScatter):
-    def __init__(self):
-        super().__init__()
-        self.foreach_pairs: list[int] = []
-
-    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
-        self.foreach_pairs.append(len(output_tensors))
-        return super().foreach(output_tensors, input_tensors, group, op, async_op)
-
-
-class _C10dOpCounter(TorchDispatchMode):
-    """Counts the c10d ops dispatched, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            self.ops[func._schema.name.split("::")[-1]] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class TestFullyShardCommForeach(TestCase):
-    """Single process over the fake process group at world size 2."""
-
-    def setUp(self):
-        super().setUp()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-
-    def tearDown(self):
-        dist.destroy_process_group()
-        super().tearDown()
 
     def test_one_foreach_call_per_group_and_collective(self):
         """Tests that per parameter each group's comms get one ``foreach`` call
