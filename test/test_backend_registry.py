@@ -117,9 +117,12 @@ def _record_not_allocated(comm, tensors: list[torch.Tensor]) -> None:
 class _TPUExampleParity(ParityMixin):
     """Trains a model sharded with the example backend registered for
     ``"cpu"`` (a stand-in device) against one sharded per parameter with
-    FSDP's default comms, in lockstep, bitwise."""
+    FSDP's default comms, in lockstep, bitwise, and checks what the example's
+    comms were handed."""
 
-    def _check_example_against_default(self, ref_after_shard=lambda model: None) -> dict:
+    num_steps = 3
+
+    def _check_example_against_default(self, ref_after_shard=lambda model: None) -> None:
         torch.manual_seed(42)
         base = Model(16, 32).to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -145,26 +148,18 @@ class _TPUExampleParity(ParityMixin):
             gen.manual_seed(42 + self.rank + 1000 * step)
             return torch.randn(4, 16, generator=gen)
 
-        num_steps = 3
-        train_in_lockstep(self, models[0], models[1], make_input, num_steps=num_steps)
-        groups = [
-            group
-            for module in (*models[0].blocks, models[0])
-            for group in module._get_fsdp_state()._fsdp_param_groups
-        ]
-        return {"groups": groups, "num_steps": num_steps}
-
-    def _assert_one_call_per_group(self, groups: list, num_steps: int) -> None:
-        """Each group's comms got one ``foreach`` per all-gather and per
-        reduce-scatter, with a pair per parameter, no per-tensor call, and
-        only tensors from their own ``allocate``."""
-        for group in groups:
+        train_in_lockstep(self, models[0], models[1], make_input, num_steps=self.num_steps)
+        # Each group's comms got one ``foreach`` per all-gather and per
+        # reduce-scatter, with a pair per parameter, no per-tensor call, and
+        # only tensors from their own ``allocate``
+        for module in (*models[0].blocks, models[0]):
+            (group,) = module._get_fsdp_state()._fsdp_param_groups
             num_params = len(group.fsdp_params)
             ag, rs = group._all_gather_comm, group._reduce_scatter_comm
             # Forward, and again in backward unless the root (no reshard)
             ag_per_step = 1 if group._module_fqn == "" else 2
-            self.assertEqual(ag.foreach_pairs, [num_params] * ag_per_step * num_steps)
-            self.assertEqual(rs.foreach_pairs, [num_params] * num_steps)
+            self.assertEqual(ag.foreach_pairs, [num_params] * ag_per_step * self.num_steps)
+            self.assertEqual(rs.foreach_pairs, [num_params] * self.num_steps)
             self.assertEqual((ag.calls, rs.calls), (0, 0))
             self.assertEqual((ag.not_allocated, rs.not_allocated), ([], []))
 
@@ -178,8 +173,7 @@ class TestFullyShardBackendExample(_TPUExampleParity, FSDPExtTestMultiProcess):
         parameter group's comm gets one ``foreach`` call per all-gather and
         per reduce-scatter (one c10d collective each) and provides every
         buffer from its ``allocate``."""
-        result = self._check_example_against_default()
-        self._assert_one_call_per_group(result["groups"], result["num_steps"])
+        self._check_example_against_default()
 
 
 @pytest.mark.slow
@@ -192,10 +186,9 @@ class TestFullyShardBackendExampleW4(_TPUExampleParity, FSDPExtTestMultiProcess)
         """Tests that at world size 4, where gloo's own sums depend on message
         size, the example's fused reduce-scatter (rank-order sum) trains
         bitwise like per-parameter FSDP with ``DeterministicReduceScatter``."""
-        result = self._check_example_against_default(
+        self._check_example_against_default(
             on_fsdp_modules(lambda m: m.set_custom_reduce_scatter(DeterministicReduceScatter()))
         )
-        self._assert_one_call_per_group(result["groups"], result["num_steps"])
 
 
 class TestFullyShardBackendEntryPoints(TestCase):

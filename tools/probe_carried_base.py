@@ -45,21 +45,18 @@ for _ in range(50):
     try:
         importlib.import_module(PACKAGE)
         break
-    except ImportError as e:
+    except (ImportError, AttributeError) as e:
         match = re.match(r"cannot import name '(\w+)' from '([\w.]+)'", str(e))
-        if match is None:
+        if match is not None:
+            name, module = match.groups()
+        elif (match := re.match(r"module '([\w.]+)' has no attribute '(\w+)'", str(e))):
+            module, name = match.groups()
+        else:
             print(f"import fails: {e}")
             sys.exit(0)
-        name, module = match.groups()
-        setattr(importlib.import_module(module), name, type(name, (), {}))
-        missing.append(f"{module}.{name}")
-    except AttributeError as e:
-        match = re.match(r"module '([\w.]+)' has no attribute '(\w+)'", str(e))
-        if match is None:
-            print(f"import fails: {e}")
-            sys.exit(0)
-        module, name = match.groups()
-        setattr(importlib.import_module(module), name, lambda *args, **kwargs: None)
+        # A class stands in for an imported name, a no-op for a called one
+        stub = type(name, (), {}) if isinstance(e, ImportError) else lambda *a, **k: None
+        setattr(importlib.import_module(module), name, stub)
         missing.append(f"{module}.{name}")
 for name in missing:
     print(f"missing: {name}")
