@@ -130,7 +130,9 @@ class TestFullyShardPerParamCompositions(ParityMixin, FSDPTestMultiThread):
         )
         if self.world_size == 4:
             configs["hsdp_partial_reduce_accumulation"] = lambda: ParityConfig(
-                mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                mesh=init_device_mesh(
+                    self.device.type, (2, 2), mesh_dim_names=("replicate", "shard")
+                ),
                 train_kwargs={"microbatches": 3, "no_all_reduce_microbatches": True},
             )
         return configs

@@ -1,16 +1,18 @@
-"""Peak CPU tensor memory of one training step, ``group_collectives=False``
-against ``group_collectives=True``, on identically built models.
+"""Peak tensor memory of one training step, ``group_collectives=False``
+against ``group_collectives=True``, on identically built models, on CUDA
+when present, else on CPU.
 
 Single process over the fake process group at world size 4: collectives move
 no data, so the peaks count FSDP's own buffers (all-gather outputs,
 reduce-scatter inputs and outputs) next to parameters, gradients and
-activations. The peak is measured exactly with the profiler (DESIGN.md, "Peak
-tensor memory of a CPU region").
+activations. On CPU the peak is measured exactly with the profiler (DESIGN.md,
+"Peak tensor memory of a CPU region"); on CUDA from the caching allocator's
+statistics.
 """
 
 import torch
 import torch.nn as nn
-from common_fsdp_ext import EXT, FakeProcessGroupTestCase, Model
+from common_fsdp_ext import DEVICE_TYPE, EXT, FakeProcessGroupTestCase, Model
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -52,7 +54,7 @@ def _build(group_collectives: bool, *, per_block: bool, **kwargs) -> nn.Module:
 class TestFullyShardPerParamMemory(FakeProcessGroupTestCase):
     def _peaks(self, group_collectives: bool, *, per_block: bool) -> tuple[int, int]:
         model = _build(group_collectives, per_block=per_block)
-        return step_peak_bytes(model, torch.randn(BATCH, DIM))
+        return step_peak_bytes(model, torch.randn(BATCH, DIM, device=DEVICE_TYPE))
 
     def test_peaks_with_per_block_groups(self):
         """Tests that with one group per block and default resharding, neither
@@ -117,7 +119,7 @@ class TestFullyShardPerParamMemoryMixedPrecision(FakeProcessGroupTestCase):
         buffer. With ``reduce_dtype=None``, torch 2.15 reduces in the fp32
         ``grad_dtype``; earlier bases reduce in bf16."""
         mp_policy = EXT.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-        inp = torch.randn(BATCH, DIM)
+        inp = torch.randn(BATCH, DIM, device=DEVICE_TYPE)
         copy_bytes, bwd_peaks = {}, {}
         for group_collectives in (False, True):
             model = _build(group_collectives, per_block=per_block, mp_policy=mp_policy)

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The prepared GPU check, for a machine with one CUDA GPU (no multi-rank NCCL):
-# environment, the tests that fit one GPU, the benchmark on the fake process
-# group on cuda:0, and a CUDA-stream race check of FSDP's own copies under the
-# CUDA sanitizer. Prints a short summary; full logs go to LOG_DIR. About 8 min.
+# environment, the tests that fit one GPU, the benchmark (MoE included) on the
+# fake process group on cuda:0, and a CUDA-stream race check of FSDP's own
+# copies under the CUDA sanitizer. Prints a short summary; full logs go to
+# LOG_DIR. About 8 min.
 set -uo pipefail
 usage="usage: bash tools/gpu_check.sh LOG_DIR [PYTHON]
 
 LOG_DIR  where the logs, the bench JSON/markdown/plots and summary.txt go
 PYTHON   interpreter with torch (CUDA) and torch_fsdp_ext (default: .venv/bin/python)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,6s/^# //p' "$0"
+  sed -n '2,7s/^# //p' "$0"
   echo "$usage"
   [[ $# -ge 1 ]] && exit 0 || exit 2
 fi
@@ -53,10 +54,11 @@ step race 120 env TORCH_CUDA_SANITIZER=1 "$py" -m pytest -q -p no:cacheprovider 
   test/test_fully_shard_cuda_streams.py
 # The tests that fit one GPU: multi-process tests needing 2+ GPUs skip cleanly
 step tests 240 "$py" -m pytest -q -p no:cacheprovider -m "not slow" \
-  test/upstream test/test_fully_shard_per_param_parity.py test/test_fully_shard_coalescing.py
+  test/upstream test/test_fully_shard_per_param_parity.py test/test_fully_shard_per_param_memory.py \
+  test/test_fully_shard_coalescing.py
 # FSDP's own copies, allocations and launch time on one GPU
 step bench 180 "$py" tools/bench --device cuda --pg fake --world-size 8 \
-  --models llama-S llama-M few-large --sweep 4 64 --steps 10 --out "$logdir/bench"
+  --models llama-S llama-M few-large moe --sweep 4 64 --steps 10 --out "$logdir/bench"
 echo "== summary ($summary)"
 cat "$summary"
 exit $failed

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing._internal.common_fsdp import MLP
+from torch.testing._internal.common_fsdp import MLP, get_devtype
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,6 +28,8 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     _get_gradient_divide_factors,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
+
+device_type = torch.device(get_devtype())
 
 # The grouped reduce-scatter copy-in: torch 2.15 made it the C++ op
 # ``fsdp::chunk_cat_mixed_dtype`` (mixed gradient dtypes); before, ``fsdp::chunk_cat``
@@ -260,9 +262,11 @@ class TestFullyShardBackendCapabilities(TestCase):
         try:
             group = dist.group.WORLD
             self.assertEqual(
-                tuple(_get_comm_capabilities(group, torch.device("cpu"))), (False, True, False)
+                tuple(_get_comm_capabilities(group, device_type)), (False, True, False)
             )
-            factors = _get_gradient_divide_factors(group, None, torch.float32, "cpu", 3.0)
+            factors = _get_gradient_divide_factors(
+                group, None, torch.float32, device_type.type, 3.0
+            )
             self.assertEqual(factors[2], dist.ReduceOp.SUM)
         finally:
             dist.destroy_process_group()
@@ -283,12 +287,12 @@ class TestFullyShardBackendDefaults(TestCase):
     def test_group_collectives_resolves_from_backend(self):
         """Tests that ``group_collectives=None`` takes the backend's default,
         that an explicit value wins, and that it is ``True`` without one."""
-        with _registered("cpu", FSDPBackend(group_collectives=False)):
+        with _registered(device_type.type, FSDPBackend(group_collectives=False)):
             for explicit, expected in ((None, False), (True, True), (False, False)):
                 model = fully_shard(MLP(8), group_collectives=explicit)
                 groups = model._get_fsdp_state()._fsdp_param_groups
                 self.assertEqual([g.group_collectives for g in groups], [expected])
-        with _registered("cpu", FSDPBackend()):
+        with _registered(device_type.type, FSDPBackend()):
             model = fully_shard(MLP(8))
             self.assertTrue(model._get_fsdp_state()._fsdp_param_groups[0].group_collectives)
 
@@ -299,7 +303,7 @@ class TestFullyShardBackendDefaults(TestCase):
         backend = FSDPBackend(
             all_gather_comm=RecordingAllGather, reduce_scatter_comm=RecordingReduceScatter
         )
-        with _registered("cpu", backend):
+        with _registered(device_type.type, backend):
             model = nn.Sequential(MLP(8), MLP(8))
             fully_shard(model[0])
             fully_shard(model)
@@ -322,10 +326,10 @@ class TestFullyShardBackendDefaults(TestCase):
             ("all_gather_comm", "AllGather"),
             ("reduce_scatter_comm", "ReduceScatter"),
         ):
-            with _registered("cpu", FSDPBackend(**{name: lambda: 42})):
+            with _registered(device_type.type, FSDPBackend(**{name: lambda: 42})):
                 with self.assertRaisesRegex(
                     TypeError,
-                    f"registered for 'cpu' made 42 of type int, which is not a {comm_type}",
+                    f"for '{device_type.type}' made 42 of type int, which is not a {comm_type}",
                 ):
                     fully_shard(MLP(8))
 
@@ -345,10 +349,10 @@ class TestFullyShardBackendDefaults(TestCase):
             all_gather_comm=RecordingAllGather,
             reduce_scatter_comm=comm_cls,
         )
-        with _registered("cpu", backend):
+        with _registered(device_type.type, backend):
             torch.manual_seed(42)
             model = fully_shard(MLP(8))
-            inp = torch.randn(4, 8)
+            inp = torch.randn(4, 8, device=device_type)
             model(inp).sum().backward()  # lazy init
             grad_data_ptrs = []
             fsdp_params = model._get_fsdp_state()._fsdp_param_groups[0].fsdp_params
@@ -370,12 +374,12 @@ class TestFullyShardBackendDefaults(TestCase):
         """Tests that the backend's ``allocate`` provides the reduce-scatter
         output and every input of a comm that does not accept gradients
         themselves: FSDP allocates nothing of its own."""
-        with _registered("cpu", FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
+        with _registered(device_type.type, FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
             torch.manual_seed(42)
             model = fully_shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 8)))
             model.set_group_collectives(False)
             comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
-            model(torch.randn(4, 8)).sum().backward()
+            model(torch.randn(4, 8, device=device_type)).sum().backward()
         # (7, 8) and (7,) are padded to (8, 8) and (8,); (8, 7) and (8,) are
         # copied as they are; one output of (64 + 8 + 56 + 8) / 2 elements
         self.assertEqual(
@@ -386,11 +390,11 @@ class TestFullyShardBackendDefaults(TestCase):
     def test_grouped_buffer_from_backend_allocate(self):
         """Tests that in grouped mode the backend's comm allocates the
         group-wide reduce-scatter input (the ``chunk_cat`` buffer) and output."""
-        with _registered("cpu", FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
+        with _registered(device_type.type, FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
             torch.manual_seed(42)
             model = fully_shard(MLP(8))
             comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
-            model(torch.randn(4, 8)).sum().backward()
+            model(torch.randn(4, 8, device=device_type)).sum().backward()
         # 552 unsharded gradient elements in, 276 per rank out
         self.assertEqual(comm.allocations, [(552,), (276,)])
         self.assertEqual(len(comm.input_data_ptrs), 1)
@@ -413,12 +417,12 @@ class TestFullyShardBackendDefaults(TestCase):
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Warning only once for all operators")
                 warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
-                lib.impl(GROUPED_COPY_IN_OP, chunk_cat, "CPU")
-            model(torch.randn(4, 8)).sum().backward()
+                lib.impl(GROUPED_COPY_IN_OP, chunk_cat, device_type.type.upper())
+            model(torch.randn(4, 8, device=device_type)).sum().backward()
         finally:
             lib._destroy()
         self.assertEqual(calls, [4])
-        model(torch.randn(4, 8)).sum().backward()
+        model(torch.randn(4, 8, device=device_type)).sum().backward()
         self.assertEqual(calls, [4])
 
     def test_one_foreach_call_per_group_and_collective(self):
@@ -436,7 +440,7 @@ class TestFullyShardBackendDefaults(TestCase):
                 mlp.set_custom_all_gather(comms[-1][0])
                 mlp.set_custom_reduce_scatter(comms[-1][1])
             fully_shard(model, group_collectives=group_collectives)
-            model(torch.randn(4, 8)).sum().backward()
+            model(torch.randn(4, 8, device=device_type)).sum().backward()
             for all_gather, reduce_scatter in comms:
                 if group_collectives:
                     # upstream's grouped all-gather calls the comm directly
@@ -456,10 +460,10 @@ class TestFullyShardBackendDefaults(TestCase):
         op per parameter where it does not."""
         ops = {}
         for coalescing in (False, True):
-            with _registered("cpu", FSDPBackend(supports_coalescing=coalescing)):
+            with _registered(device_type.type, FSDPBackend(supports_coalescing=coalescing)):
                 torch.manual_seed(42)
                 model = fully_shard(MLP(8), group_collectives=False)
-                inp = torch.randn(4, 8)
+                inp = torch.randn(4, 8, device=device_type)
                 model(inp).sum().backward()  # lazy init
                 with _C10dOpCounter() as counter:
                     model(inp).sum().backward()

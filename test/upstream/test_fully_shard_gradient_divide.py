@@ -4,10 +4,12 @@ import copy
 
 import torch
 import torch.nn as nn
-from torch.testing._internal.common_fsdp import FSDPTestMultiThread
+from torch.testing._internal.common_fsdp import FSDPTestMultiThread, get_devtype
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import fully_shard
+
+device_type = torch.device(get_devtype())
 
 
 class TestFullyShardSingleRankReduceScatter(FSDPTestMultiThread):
@@ -26,12 +28,12 @@ class TestFullyShardSingleRankReduceScatter(FSDPTestMultiThread):
 
     def _test_gradient_divide_factor_applied_once(self, group_collectives: bool, force_sum: bool):
         torch.manual_seed(42)
-        ref = nn.Linear(8, 8)
+        ref = nn.Linear(8, 8, device=device_type)
         model = copy.deepcopy(ref)
         fully_shard(model, group_collectives=group_collectives)
         model.set_gradient_divide_factor(4.0)
         model.set_force_sum_reduction_for_comms(force_sum)
-        inp = torch.randn(2, 8)
+        inp = torch.randn(2, 8, device=device_type)
         model(inp).sum().backward()
         ref(inp).sum().backward()
         for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
+from torch.testing._internal.common_fsdp import MLP, FSDPTest, FSDPTestMultiThread, get_devtype
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,6 +22,12 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     lib as fsdp_lib,
 )
 from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+device_type = torch.device(get_devtype())
+# Parity needs real collectives: one process per accelerator on its default
+# backend (NCCL on CUDA), as FSDP2's training tests do, skipped without enough
+# accelerators; on CPU, the threaded process group
+_ParityTestCase = FSDPTestMultiThread if device_type.type == "cpu" else FSDPTest
 
 _COLLECTIVES = {
     "_allgather_base_": "all_gather",
@@ -105,13 +111,13 @@ class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
         self, group_collectives: bool, per_param_mesh: bool
     ):
         torch.manual_seed(42)
-        mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         shard_placement_fn = None
         if per_param_mesh:
             # A second group over the same ranks but its own process group
             other_pg = dist.new_group(list(range(self.world_size)))
-            other_mesh = DeviceMesh.from_group(other_pg, "cpu")
+            other_mesh = DeviceMesh.from_group(other_pg, device_type.type)
             other_info = FSDPMeshInfo(other_mesh, shard_mesh_dim=0)
             other_params = set(model[1].parameters())
 
@@ -155,7 +161,7 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
         by itself and, for contiguous, evenly divisible fp32 gradients, reads
         the gradients in place: no ``chunk_cat`` and no other copy."""
         model = _two_block_model(group_collectives=False)
-        recorder = self._record_step(model, torch.randn(4, 8))
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
         # in_proj (32, 8) + bias, out_proj (8, 32) + bias, for each of 2 blocks
         self.assertEqual(
@@ -179,7 +185,7 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
         # dim-0 of 7 and 3 do not divide by 2; 8 does
         model = nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 3), nn.Linear(3, 8))
         fully_shard(model, group_collectives=False)
-        recorder = self._record_step(model, torch.randn(4, 8))
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         self.assertNotIn("chunk_cat", recorder.copies)
         self.assertEqual(recorder.copies["copy_"], 4)
 
@@ -187,7 +193,7 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
         """Tests that the default ``group_collectives=True`` keeps one
         ``chunk_cat`` copy-in and one reduce-scatter per group."""
         model = _two_block_model()
-        recorder = self._record_step(model, torch.randn(4, 8))
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
         self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
         # torch 2.15 made the copy-in the C++ ``fsdp::chunk_cat_mixed_dtype``
@@ -201,7 +207,7 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         itself straight into its unsharded storage: no ``all_gather_copy_in``,
         no ``split_with_sizes_copy`` and no other copy in forward."""
         model = _two_block_model(group_collectives=False)
-        recorder = self._record_step(model, torch.randn(4, 8))
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         all_gathers = [c for c in recorder.collectives if "all_gather" in c]
         per_block = ["all_gather 128", "all_gather 16", "all_gather 128", "all_gather 4"]
         self.assertEqual(
@@ -218,7 +224,7 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         model = MLP(8)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fully_shard(model, mp_policy=mp_policy, group_collectives=False)
-        recorder = self._record_step(model, torch.randn(4, 8))
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         self.assertNotIn("all_gather_copy_in", recorder.copies)
         self.assertNotIn("_foreach_copy_", recorder.copies)
         # The forward input cast (``_to_copy``) and 4 parameter casts to bf16
@@ -245,12 +251,12 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
 
             group._all_gather_output_fn = output_fn
             if group_collectives:
-                model(torch.randn(4, 8)).sum().backward()
+                model(torch.randn(4, 8, device=device_type)).sum().backward()
             else:
                 with self.assertRaisesRegex(
                     NotImplementedError, "does not run a custom all-gather output function"
                 ):
-                    model(torch.randn(4, 8))
+                    model(torch.randn(4, 8, device=device_type))
         self.assertTrue(calls)
         self.assertNotIn(False, calls)
 
@@ -262,7 +268,7 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         ``record_stream``), the last block's at the root's post-forward; in
         backward, at reshard."""
         model = _two_block_model(group_collectives=False)
-        inp = torch.randn(4, 8)
+        inp = torch.randn(4, 8, device=device_type)
         model(inp).sum().backward()  # lazy init
         comm_ctx = model._get_fsdp_state()._comm_ctx
 
@@ -299,7 +305,7 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         traces = {}
         for group_collectives in (True, False):
             model = _two_block_model(group_collectives=group_collectives)
-            recorder = self._record_step(model, torch.randn(4, 8))
+            recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
             traces[group_collectives] = "\n".join(recorder.collectives)
         self.assertExpectedInline(
             traces[True],
@@ -351,7 +357,7 @@ class _TwiceCalledBlock(nn.Module):
         return self.out(self.block(self.block(x)))
 
 
-class TestFullyShardGroupCollectivesRepeatedBlock(FSDPTestMultiThread):
+class TestFullyShardGroupCollectivesRepeatedBlock(_ParityTestCase):
     @property
     def world_size(self) -> int:
         return 2
@@ -371,7 +377,7 @@ class TestFullyShardGroupCollectivesRepeatedBlock(FSDPTestMultiThread):
         _train_and_compare(self, models, 8)
 
 
-class TestFullyShardGroupCollectivesParity(FSDPTestMultiThread):
+class TestFullyShardGroupCollectivesParity(_ParityTestCase):
     @property
     def world_size(self) -> int:
         return 2
@@ -439,7 +445,7 @@ class _AllocatingAllGather(AllGather):
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
 
-class TestFullyShardGroupCollectivesRuntimeSwitch(FSDPTestMultiThread):
+class TestFullyShardGroupCollectivesRuntimeSwitch(_ParityTestCase):
     @property
     def world_size(self) -> int:
         return 2
@@ -474,7 +480,7 @@ class TestFullyShardGroupCollectivesRuntimeSwitch(FSDPTestMultiThread):
         self.assertTrue(_groups(model)[0].group_collectives)
 
 
-class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(FSDPTestMultiThread):
+class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(_ParityTestCase):
     @property
     def world_size(self) -> int:
         return 4
@@ -484,14 +490,14 @@ class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(FSDPTestMultiThread):
         (``set_requires_all_reduce(False)``) is pending gives the same
         gradients as staying in one mode: both modes lay out the partial
         reduce output the same way."""
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(42)
         base = MLP(8)
         models = [copy.deepcopy(base) for _ in range(2)]
         for model in models:
             fully_shard(model, mesh=mesh)
         torch.manual_seed(42 + self.rank)
-        inps = [torch.randn(4, 8) for _ in range(2)]
+        inps = [torch.randn(4, 8, device=device_type) for _ in range(2)]
         for model, switch_to in zip(models, (False, None), strict=True):
             model.set_requires_all_reduce(False)
             model(inps[0]).sum().backward()
@@ -504,7 +510,7 @@ class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(FSDPTestMultiThread):
             self.assertTrue(torch.equal(param.grad.to_local(), ref_param.grad.to_local()))
 
 
-class TestFullyShardDeterministicReduceScatter(FSDPTestMultiThread):
+class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
     @property
     def world_size(self) -> int:
         return 4
@@ -524,10 +530,10 @@ class TestFullyShardDeterministicReduceScatter(FSDPTestMultiThread):
     def _test_sums_in_rank_order(self, op, dtype: torch.dtype):
         group = dist.distributed_c10d._get_default_group()
         torch.manual_seed(42 + self.rank)
-        inp = torch.randn(self.world_size * 37, dtype=dtype)
-        out = torch.empty(37, dtype=dtype)
+        inp = torch.randn(self.world_size * 37, dtype=dtype, device=device_type)
+        out = torch.empty(37, dtype=dtype, device=device_type)
         self.assertIsNone(DeterministicReduceScatter()(out, inp.clone(), group, op))
-        gathered = torch.empty(self.world_size, *inp.shape, dtype=dtype)
+        gathered = torch.empty(self.world_size * inp.numel(), dtype=dtype, device=device_type)
         dist.all_gather_into_tensor(gathered, inp, group=group)
         chunks = gathered.view(self.world_size, self.world_size, -1)[:, self.rank]
         if getattr(op, "op", op) == dist.ReduceOp.PREMUL_SUM:
@@ -592,7 +598,7 @@ def _train_and_compare(
     torch.manual_seed(42 + test.rank)
     for step in range(4):
         before_step(step)
-        inp = torch.randn(4, dim)
+        inp = torch.randn(4, dim, device=device_type)
         losses = [model(inp).sum() for model in models]
         for loss in losses:
             loss.backward()

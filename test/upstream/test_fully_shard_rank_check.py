@@ -11,12 +11,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.testing._internal.common_distributed import MultiProcessTestCase
-from torch.testing._internal.common_fsdp import FSDPTestMultiThread
+from torch.testing._internal.common_fsdp import FSDPTestMultiThread, get_devtype
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DeterministicReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_common import ShardPlacementResult
+
+device_type = torch.device(get_devtype())
 
 
 def _model() -> nn.Sequential:
@@ -39,7 +41,7 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         """Misuse by name: the field the error must name, and the ``fully_shard``
         kwargs of each rank."""
         # A second mesh over the same ranks: a group of its own
-        other_mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("ep",))
+        other_mesh = init_device_mesh(device_type.type, (self.world_size,), mesh_dim_names=("ep",))
         return {
             "mode": ("group_collectives", lambda r: {"group_collectives": r == 0}),
             # Same shard size (8x8 on 2 ranks): would train on wrong data
@@ -76,7 +78,7 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         ``ValueError`` at lazy init naming the module, the field and both
         ranks, before any FSDP collective, for each field that drives the
         collectives."""
-        mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
         for case, (field, kwargs_of) in self._per_rank_cases().items():
             with self.subTest(case=case):
                 model = _shard(_model(), mesh=mesh, **kwargs_of(self.rank))
@@ -85,12 +87,12 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
                     f"module '.*' on the mesh of ranks \\[0, 1\\]: .*{field}.* on rank "
                     "\\d but .* on rank \\d",
                 ):
-                    model(torch.randn(2, 8))
+                    model(torch.randn(2, 8, device=device_type))
 
     def test_shape_mismatch_names_sharded_shape(self):
         """Tests that a parameter of another size on one rank is named with
         both sharded shapes."""
-        mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
         torch.manual_seed(0)
         model = nn.Linear(8, 8 if self.rank == 0 else 6)
         fully_shard(model, mesh=mesh)
@@ -98,18 +100,18 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
             ValueError,
             "parameter 'weight' padded sharded shape is \\(4, 8\\) on rank 0 but \\(3, 8\\) on rank 1",
         ):
-            model(torch.randn(2, 8))
+            model(torch.randn(2, 8, device=device_type))
 
     def test_custom_comm_on_one_rank_raises(self):
         """Tests that a custom reduce-scatter set on one rank only is named."""
-        mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
         model = _shard(_model(), mesh=mesh)
         if self.rank == 0:
             model.set_custom_reduce_scatter(DeterministicReduceScatter())
         with self.assertRaisesRegex(
             ValueError, "reduce-scatter comm is 'DeterministicReduceScatter' on rank 0"
         ):
-            model(torch.randn(2, 8))
+            model(torch.randn(2, 8, device=device_type))
 
     def test_consistent_ranks_check_once(self):
         """Tests that agreeing ranks train, that the check exchanges one
@@ -117,7 +119,7 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         nothing in later steps, and that each change made on every rank
         (``set_group_collectives``, ``set_reshard_after_forward``) is
         re-checked once, at the next forward."""
-        mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
         model = _shard(_model(), mesh=mesh)
         calls = []
         all_gather_object = dist.all_gather_object
@@ -131,7 +133,7 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         dist.all_gather_object = recording
         try:
             for _ in range(3):
-                model(torch.randn(2, 8)).sum().backward()
+                model(torch.randn(2, 8, device=device_type)).sum().backward()
         finally:
             dist.all_gather_object = all_gather_object
         self.assertEqual(len(calls), 1)
@@ -140,24 +142,24 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         self.assertEqual(state._state_ctx.rank_check_round, 0)
         model.set_group_collectives(False)
         model.set_group_collectives(False)
-        model(torch.randn(2, 8)).sum().backward()
+        model(torch.randn(2, 8, device=device_type)).sum().backward()
         self.assertEqual(state._state_ctx.rank_check_round, 1)
         # No change, no re-check
         model.set_group_collectives(False)
-        model(torch.randn(2, 8)).sum().backward()
+        model(torch.randn(2, 8, device=device_type)).sum().backward()
         self.assertEqual(state._state_ctx.rank_check_round, 1)
         # The child stops resharding after forward: its backward all-gather goes
         model.set_reshard_after_forward(False)
-        model(torch.randn(2, 8)).sum().backward()
+        model(torch.randn(2, 8, device=device_type)).sum().backward()
         self.assertEqual(state._state_ctx.rank_check_round, 2)
 
     def test_check_can_be_disabled(self):
         """Tests that ``set_rank_consistency_check(False)`` on the root skips
         the check: a placement mismatch of equal shard sizes then trains."""
-        mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
         model = _shard(_model(), mesh=mesh, shard_placement_fn=lambda p: Shard(self.rank % p.ndim))
         model.set_rank_consistency_check(False)
-        model(torch.randn(2, 8)).sum().backward()
+        model(torch.randn(2, 8, device=device_type)).sum().backward()
 
 
 class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):

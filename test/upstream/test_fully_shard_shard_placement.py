@@ -9,13 +9,19 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.testing._internal.common_fsdp import FSDPTestMultiThread
+from torch.testing._internal.common_fsdp import FSDPTest, FSDPTestMultiThread, get_devtype
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import DataParallelMeshDims, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DeterministicReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+device_type = torch.device(get_devtype())
+# Parity needs real collectives: one process per accelerator on its default
+# backend (NCCL on CUDA), as FSDP2's training tests do, skipped without enough
+# accelerators; on CPU, the threaded process group
+_ParityTestCase = FSDPTestMultiThread if device_type.type == "cpu" else FSDPTest
 
 
 class _Experts(nn.Module):
@@ -50,7 +56,7 @@ def _is_expert(param: nn.Parameter) -> bool:
     return param.ndim == 3
 
 
-class _MoEMeshTestCase(FSDPTestMultiThread):
+class _MoEMeshTestCase(_ParityTestCase):
     @property
     def world_size(self) -> int:
         return 4
@@ -61,7 +67,7 @@ class _MoEMeshTestCase(FSDPTestMultiThread):
         gen = torch.Generator()
         for step in range(steps):
             gen.manual_seed(42 + self.rank + 1000 * step)
-            loss = model(torch.randn(2, 8, generator=gen)).sum()
+            loss = model(torch.randn(2, 8, generator=gen).to(device_type)).sum()
             loss.backward()
             optim.step()
             optim.zero_grad()
@@ -111,8 +117,8 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         """Tests that ``ShardPlacementResult(mesh=...)`` gives one param group
         per mesh, FSDP on a 1D mesh and HSDP on a 2D mesh, and that both
         collective modes train it to the same bits."""
-        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
-        dp_mesh = init_device_mesh("cpu", (self.world_size,))
+        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
+        dp_mesh = init_device_mesh(device_type.type, (self.world_size,))
         for expert_mesh, expected_placements in (
             (world_mesh["efsdp"], (Shard(1),)),
             (world_mesh, (Replicate(), Shard(1))),
@@ -132,7 +138,9 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         """Tests that with ep=1, where the "efsdp" and "dp" meshes are distinct
         meshes over one process group, experts stay DTensors on "efsdp" in a
         param group of their own, and both collective modes give the same bits."""
-        world_mesh = init_device_mesh("cpu", (self.world_size, 1), mesh_dim_names=("efsdp", "ep"))
+        world_mesh = init_device_mesh(
+            device_type.type, (self.world_size, 1), mesh_dim_names=("efsdp", "ep")
+        )
 
         def check_model(model):
             self.assertEqual(len(model._get_fsdp_state()._fsdp_param_groups), 2)
@@ -149,8 +157,8 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
         optimizer step (it used to fail on DTensor in-place ops) and is bitwise
         equal to passing that dim's 1D sub-mesh, in both collective modes."""
-        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
-        dp_mesh = init_device_mesh("cpu", (self.world_size,))
+        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
+        dp_mesh = init_device_mesh(device_type.type, (self.world_size,))
 
         def check_model(model):
             self.assertEqual(model.experts.w.device_mesh, world_mesh["efsdp"])
@@ -168,7 +176,7 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         """Tests that expert params that are already ``Shard(0)`` DTensors on the
         "ep" dim get FSDP's ``Shard(1)`` on the "efsdp" dim of the same mesh and
         that both collective modes train them to the same bits."""
-        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
 
         def check_model(model):
             self.assertEqual(model.experts.w.device_mesh, world_mesh)
@@ -200,7 +208,7 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
         on a module with experts on another mesh use the comm for both param
         groups, each with its own process group, and that with
         ``DeterministicReduceScatter`` both collective modes give the same bits."""
-        world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
         all_gathers: list[_GroupSizeRecordingAllGather] = []
 
         def set_comms(model):
@@ -213,7 +221,7 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
                 self.assertIs(param_group._reduce_scatter_comm, reduce_scatter)
 
         self._train_both_modes(
-            init_device_mesh("cpu", (self.world_size,)),
+            init_device_mesh(device_type.type, (self.world_size,)),
             ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
             set_comms,
         )
@@ -231,14 +239,14 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
     def test_shard_placement_result_arguments(self):
         """Tests that ``ShardPlacementResult`` takes exactly one of ``mesh`` and
         ``mesh_info`` and only 1D or named 2D meshes."""
-        mesh = init_device_mesh("cpu", (self.world_size,))
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
         with self.assertRaisesRegex(TypeError, "pass it as .*mesh="):
             ShardPlacementResult(Shard(0), mesh)
         with self.assertRaisesRegex(ValueError, "exactly one of mesh and mesh_info"):
             ShardPlacementResult(Shard(0))
         with self.assertRaisesRegex(ValueError, "exactly one of mesh and mesh_info"):
             ShardPlacementResult(Shard(0), FSDPMeshInfo(mesh, shard_mesh_dim=0), mesh=mesh)
-        mesh_3d = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+        mesh_3d = init_device_mesh(device_type.type, (1, 2, 2), mesh_dim_names=("a", "b", "c"))
         with self.assertRaisesRegex(ValueError, "1D mesh .* or a 2D mesh"):
             ShardPlacementResult(Shard(0), mesh=mesh_3d)
         with self.assertRaisesRegex(TypeError, "mesh to be a DeviceMesh but got 'cpu' of type str"):
@@ -247,7 +255,7 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
     def test_rejects_mesh_without_this_rank(self):
         """Tests that a per-parameter mesh that leaves out this rank fails on
         that rank with an error naming the rank, instead of an ``IndexError``."""
-        half_mesh = DeviceMesh("cpu", [0, 1])
+        half_mesh = DeviceMesh(device_type.type, [0, 1])
         if self.rank < 2:
             ShardPlacementResult(Shard(0), mesh=half_mesh)
         else:
@@ -259,7 +267,9 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
         ``fully_shard`` time."""
         pg = dist.new_group(list(range(self.world_size)))
         meta_mesh = DeviceMesh.from_group(pg, "meta")
-        with self.assertRaisesRegex(ValueError, "returned a meta mesh .* manages cpu"):
+        with self.assertRaisesRegex(
+            ValueError, f"returned a meta mesh .* manages {device_type.type}"
+        ):
             self._shard(lambda p: ShardPlacementResult(Shard(0), mesh=meta_mesh))
 
     def test_rejects_placement_dim_out_of_range(self):
@@ -284,7 +294,7 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
     def test_rejects_disagreeing_mesh_infos_on_one_mesh(self):
         """Tests that two mesh infos on the same mesh that are not equal (here:
         one names SPMD mesh dims) fail instead of silently picking one."""
-        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(device_type.type, (self.world_size,), mesh_dim_names=("dp",))
         plain = FSDPMeshInfo(mesh, shard_mesh_dim=0)
         spmd = FSDPMeshInfo(
             mesh, shard_mesh_dim=0, dp_mesh_dims=DataParallelMeshDims(shard="dp"), spmd_mesh=mesh

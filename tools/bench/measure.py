@@ -64,26 +64,6 @@ def _forward_backward(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> N
         param.grad = None
 
 
-def _cuda_step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
-    """Like ``step_peak_bytes`` but from CUDA memory stats."""
-    device = inp.device
-    _forward_backward(model, inp, loss_fn)  # lazy init
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    baseline = torch.cuda.memory_allocated(device)
-    loss = loss_fn(model, inp)
-    _sync(device)
-    fwd = torch.cuda.max_memory_allocated(device) - baseline
-    torch.cuda.reset_peak_memory_stats(device)
-    loss.backward()
-    _sync(device)
-    bwd = torch.cuda.max_memory_allocated(device) - baseline
-    del loss
-    for param in model.parameters():
-        param.grad = None
-    return fwd, bwd
-
-
 # Kineto's start/stop lines and the CPU allocator's warning about blocks
 # allocated before profiling (expected: see ``step_peak_bytes``)
 _PROFILER_NOISE = ("USDT:", "STAGE:", "Memory block of unknown size")
@@ -109,9 +89,8 @@ def _quiet_profiler() -> Iterator[None]:
 
 
 def _step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
-    if inp.device.type == "cuda":
-        return _cuda_step_peak_bytes(model, inp, loss_fn)
-    with _quiet_profiler():
+    # Only the CPU path profiles
+    with _quiet_profiler() if inp.device.type == "cpu" else contextlib.nullcontext():
         return step_peak_bytes(model, inp, loss_fn)
 
 

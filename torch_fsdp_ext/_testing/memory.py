@@ -1,4 +1,5 @@
-"""Peak tensor memory of one training step on CPU, measured exactly with the profiler."""
+"""Peak tensor memory of one training step: exactly with the profiler on CPU,
+from the caching allocator's statistics on CUDA."""
 
 from __future__ import annotations
 
@@ -56,15 +57,20 @@ def step_peak_bytes(
     model: nn.Module, inp: torch.Tensor, loss_fn: LossFn = sum_loss
 ) -> tuple[int, int]:
     """Runs a warm-up step (lazy init), then one measured forward
-    (``loss_fn(model, inp)``) and backward.
+    (``loss_fn(model, inp)``) and backward, on ``inp``'s device.
 
     Returns the peak allocated bytes during the measured forward and during
     the measured backward, each counted from the allocated bytes at the start
-    of the measured step. Both steps run under one profiler: the CPU allocator
+    of the measured step. On CUDA these come from the caching allocator's
+    peak statistics, reset before each phase and read after a device
+    synchronize, so work still queued on FSDP's streams counts. On CPU both
+    steps run under one profiler: the CPU allocator
     reports a free only for a block it saw allocated while profiling, and its
     running total carries over from earlier profiler sessions, hence the
     baseline taken from the measured step's first allocation.
     """
+    if inp.device.type == "cuda":
+        return _cuda_step_peak_bytes(model, inp, loss_fn)
     prof = profile_step(model, inp, loss_fn)
     events = list(walk_events(prof.profiler.kineto_results.experimental_event_tree()))
     spans = {e.name: (e.start_time_ns, e.end_time_ns) for e in events}
@@ -82,3 +88,24 @@ def step_peak_bytes(
         return max(total for t, _, total in allocations if start <= t <= end) - baseline
 
     return peak(fwd_start, fwd_end), peak(bwd_start, bwd_end)
+
+
+def _cuda_step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
+    device = inp.device
+    loss_fn(model, inp).backward()  # lazy init
+    for param in model.parameters():
+        param.grad = None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    loss = loss_fn(model, inp)
+    torch.cuda.synchronize(device)
+    fwd = torch.cuda.max_memory_allocated(device) - baseline
+    torch.cuda.reset_peak_memory_stats(device)
+    loss.backward()
+    torch.cuda.synchronize(device)
+    bwd = torch.cuda.max_memory_allocated(device) - baseline
+    del loss
+    for param in model.parameters():
+        param.grad = None
+    return fwd, bwd
