@@ -10,7 +10,8 @@ the generated copy into a temporary package and, in a child process of
 other torch lacks (``cannot import name`` or ``has no attribute``) is listed
 and stubbed so that the import can go on. The ``torch.ops.fsdp`` ops the copy
 calls are then looked up too. Prints the list and exits 0; nothing is
-installed or changed.
+installed or changed. ``torch_fsdp_ext/_carried_base.py`` supplies what this
+found for torch 2.11 and what running the tests there found after it.
 
 Example (a venv with torch 2.11 on CPU)::
 

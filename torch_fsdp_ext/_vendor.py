@@ -37,6 +37,9 @@ VENDORED_NAME = "_fully_shard"
 # The vendored copy registers its custom ops (upstream's ``fsdp::*``) here.
 OPS_NAMESPACE = "fsdp_ext"
 STAMP_NAME = "VENDORED.json"
+# Set to 1 on a machine whose torch is no base, to run a copy generated and
+# carried from one that is (the GPU lane; see ``_carried_base``)
+CARRIED_ENV = "TORCH_FSDP_EXT_CARRIED"
 # patches/bases.toml names the primary base; each base is patches/<version>/.
 BASES_FILE = "bases.toml"
 
@@ -471,6 +474,9 @@ def ensure_vendored() -> None:
     base, or whose files no longer match the sha256 in its stamp, is never
     silently replaced: the error names the command to run.
     """
+    if os.environ.get(CARRIED_ENV) == "1":
+        _ensure_carried()
+        return
     root, pdir = installed_series()
     check_upstream(root, read_base(pdir))
     # A wheel built without torch, or an editable install, generates at first
@@ -499,7 +505,12 @@ def ensure_vendored() -> None:
                 "pip install --no-build-isolation ."
             ) from e
         return
-    stamp = read_stamp(VENDORED_DIR)
+    _check_stamp(read_stamp(VENDORED_DIR), pdir, installed_release(), fix)
+
+
+def _check_stamp(stamp: dict | None, pdir: Path, torch_version: str, fix: str) -> None:
+    """Refuse a copy without a stamp, from another series than ``pdir`` (for
+    ``torch_version``), or edited after generation."""
     if stamp is None:
         raise VendorError(
             f"the generated {VENDORED_DIR} has no readable {STAMP_NAME}, so what it was "
@@ -509,7 +520,7 @@ def ensure_vendored() -> None:
         raise VendorError(
             f"the generated {VENDORED_DIR} is stale: it was generated for torch "
             f"{stamp.get('torch_version')} from another patch series than {pdir} "
-            f"(torch {installed_release()}). {fix}"
+            f"(torch {torch_version}). {fix}"
         )
     damaged = _damaged_files(VENDORED_DIR, stamp)
     if damaged:
@@ -517,3 +528,19 @@ def ensure_vendored() -> None:
             f"the generated {VENDORED_DIR} was changed after generation: {damaged} "
             f"missing, edited or unexpected (it is derived and never edited by hand). {fix}"
         )
+
+
+def _ensure_carried() -> None:
+    """``CARRIED_ENV=1``: the copy was generated on another machine, for the
+    torch its stamp names; it is checked against that torch's series instead
+    of the installed torch, whose missing internals ``_carried_base`` supplies."""
+    stamp = read_stamp(VENDORED_DIR)
+    fix = (
+        f"Fix: generate it where torch {primary_version()} is installed "
+        f"(python tools/vendor.py) and carry {VENDORED_DIR.name}/ along, or unset {CARRIED_ENV}"
+    )
+    version = (stamp or {}).get("torch_version", primary_version())
+    _check_stamp(stamp, patches_dir(version), version, fix)
+    from . import _carried_base
+
+    _carried_base.install()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import torch_fsdp_ext
 from torch_fsdp_ext._testing import moe
+from torch_fsdp_ext._vendor import CARRIED_ENV
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,15 @@ MODES = [
 MODES_BY_NAME = {m.name: m for m in MODES}
 SWEEP_MODES = ["grouped", "per-param", "per-param-nocoalesce"]
 
+
+def model_modes() -> list[str]:
+    """The modes a model runs in: all, less ``upstream`` for a copy carried onto
+    another torch (``torch_fsdp_ext/_carried_base.py``), whose own FSDP2 is
+    not the copy's base."""
+    carried = os.environ.get(CARRIED_ENV) == "1"
+    return [m.name for m in MODES if not (carried and m.upstream)]
+
+
 # ``MixedPrecisionPolicy`` fields by ``--mp`` name. With ``reduce_dtype=None``,
 # torch 2.15 reduces bf16 parameters' gradients in their fp32 ``grad_dtype``
 MIXED_PRECISION = {
@@ -56,8 +67,7 @@ def coalescing(mode: Mode, device_type: str) -> Iterator[None]:
 
     FSDP reads the flag at every collective and it overrides the decision by
     the process group's backend, so ``True`` also coalesces on the fake
-    process group. The copy keeps the backend's other fields (the built-in
-    "cpu" backend has no PREMUL_SUM).
+    process group. The copy keeps the backend's other fields.
     """
     if mode.coalesce is None:
         yield

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from .measure import RunConfig, bench_model
 from .models import MODELS, sweep_spec
-from .modes import MODES, SWEEP_MODES
+from .modes import SWEEP_MODES, model_modes
 from .report import loadavg
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def _run_suite(rank: int, cfg: RunConfig) -> dict[str, Any]:
         if rank == 0:
             log.info("  %s W=%d: %s", cfg.pg, cfg.world_size, name)
         run["models"].append(
-            bench_model(MODELS[name], [m.name for m in MODES], cfg, rank, device, memory=True)
+            bench_model(MODELS[name], model_modes(), cfg, rank, device, memory=True)
         )
     for num_params in cfg.sweep:
         if rank == 0:

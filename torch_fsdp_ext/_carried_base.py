@@ -1,0 +1,125 @@
+"""Run a copy generated for the primary base on an older torch (the GPU lane only).
+
+The device machine this project can borrow has torch 2.11, which is no
+supported base, and nothing can be installed there. With
+``TORCH_FSDP_EXT_CARRIED=1``, :func:`torch_fsdp_ext._vendor.ensure_vendored`
+accepts a ``_fully_shard`` generated elsewhere (carried onto the machine with
+the working tree) for the torch its stamp names, instead of the installed one,
+and :func:`install` first supplies the torch internals that copy uses and the
+older torch lacks (``tools/probe_carried_base.py`` lists them). Unsupported for
+training: it exists so that ``tools/gpu_check.sh`` can run there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp._common_utils as fsdp_common_utils
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._vendor import CARRIED_ENV
+
+log = logging.getLogger(__name__)
+
+
+def _requires_grad(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor) and obj.requires_grad
+
+
+# torch 2.15 walks containers itself (dataclasses too); torch 2.11's FSDP2 took
+# the tensors from ``tree_flatten`` for the same hooks, which these follow
+def _collect_grad_tensors(output: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(leaf for leaf in tree_flatten(output)[0] if _requires_grad(leaf))
+
+
+def _replace_grad_tensors(output: Any, tensor_iter: Iterator[torch.Tensor]) -> Any:
+    leaves, spec = tree_flatten(output)
+    return tree_unflatten([next(tensor_iter) if _requires_grad(x) else x for x in leaves], spec)
+
+
+def _chunk_cat_mixed_dtype(
+    tensors: list[torch.Tensor], dim: int, num_chunks: int, *, out: torch.Tensor
+) -> None:
+    # Casting to the output dtype is exact, so this writes the bits of torch
+    # 2.15's C++ kernel, which casts during the copy
+    torch._chunk_cat([t.to(out.dtype) for t in tensors], dim, num_chunks, out=out)
+
+
+class _PremulSum:
+    """torch 2.15's ``ReduceOp.PREMUL_SUM``: equal to the op type and, called
+    with a factor, the op (torch 2.11: ``_make_nccl_premul_sum``)."""
+
+    def __init__(self, op_type: dist.ReduceOp.RedOpType):
+        self.op_type = op_type
+
+    def __call__(self, factor: float) -> dist.ReduceOp:
+        return dist._make_nccl_premul_sum(factor)
+
+    def __eq__(self, other: object) -> bool:
+        return self.op_type == (other.op_type if isinstance(other, _PremulSum) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.op_type)
+
+
+_lib: torch.library.Library | None = None
+
+
+def install() -> list[str]:
+    """Adds each internal the carried copy uses that the installed torch lacks;
+    returns their names."""
+    global _lib
+    added = []
+    if not hasattr(dist, "_is_spmd_types_available"):
+        # Nothing in an older torch type-checks SPMD code
+        dist._is_spmd_types_available = lambda: False
+        added.append("torch.distributed._is_spmd_types_available")
+    # torch 2.15's names for the single-tensor collectives, same signatures
+    for name, older in (
+        ("all_gather_single", dist.all_gather_into_tensor),
+        ("reduce_scatter_single", dist.reduce_scatter_tensor),
+    ):
+        if not hasattr(dist, name):
+            setattr(dist, name, older)
+            added.append(f"torch.distributed.{name}")
+    if not hasattr(dist, "_spmd_no_typecheck"):
+        dist._spmd_no_typecheck = contextlib.nullcontext
+        added.append("torch.distributed._spmd_no_typecheck")
+    if not hasattr(torch.Tensor, "_has_grad_dtype_override"):
+        # torch 2.15 tells an unset ``grad_dtype`` from one set to the
+        # tensor's dtype; before, only a different one shows
+        torch.Tensor._has_grad_dtype_override = property(lambda t: t.grad_dtype != t.dtype)
+        added.append("torch.Tensor._has_grad_dtype_override")
+    if not callable(dist.ReduceOp.PREMUL_SUM):
+        dist.ReduceOp.PREMUL_SUM = _PremulSum(dist.ReduceOp.PREMUL_SUM)
+        # The pickled state of a PREMUL_SUM op is (op type, factor)
+        dist.ReduceOp.factor = property(lambda op: op.__getstate__()[1])
+        added.append("torch.distributed.ReduceOp.PREMUL_SUM(factor) and .factor")
+    for name, fn in (
+        ("collect_grad_tensors", _collect_grad_tensors),
+        ("replace_grad_tensors", _replace_grad_tensors),
+    ):
+        if not hasattr(fsdp_common_utils, name):
+            setattr(fsdp_common_utils, name, fn)
+            added.append(f"torch.distributed.fsdp._common_utils.{name}")
+    if _lib is None and not hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype"):
+        _lib = torch.library.Library("fsdp", "FRAGMENT")
+        _lib.define(
+            "chunk_cat_mixed_dtype(Tensor[] tensors, int dim, int num_chunks, *, "
+            "Tensor(a!) out) -> ()"
+        )
+        _lib.impl("chunk_cat_mixed_dtype", _chunk_cat_mixed_dtype, "CompositeExplicitAutograd")
+        added.append("torch.ops.fsdp.chunk_cat_mixed_dtype")
+    if added:
+        log.warning(
+            "%s=1: running a copy generated for another torch on torch %s, with %s supplied",
+            CARRIED_ENV,
+            torch.__version__,
+            ", ".join(added),
+        )
+    return added
