@@ -249,8 +249,8 @@ UPSTREAM = SimpleNamespace(
     CPUOffloadPolicy=upstream_fsdp.CPUOffloadPolicy,
     FSDPModule=upstream_fsdp.FSDPModule,
     FSDPMeshInfo=upstream_common.FSDPMeshInfo,
-    # None before torch 2.14: only the GPU lane's carried copy runs on such a
-    # torch (torch_fsdp_ext/_carried_base.py), with no upstream comparison
+    # None on torch 2.11, where only the GPU lane's carried copy runs
+    # (torch_fsdp_ext/_carried_base.py), with no upstream comparison
     ShardPlacementResult=getattr(upstream_common, "ShardPlacementResult", None),
 )
 EXT = SimpleNamespace(

@@ -4,19 +4,19 @@
 # fake process group on cuda:0, and a CUDA-stream race check of FSDP's own
 # copies under the CUDA sanitizer. Prints a short summary; full logs go to
 # LOG_DIR. About 8 min.
-set -uo pipefail
 #
 # On a machine whose torch is no supported base (the lent H200's torch 2.11),
 # set TORCH_FSDP_EXT_CARRIED=1 and carry torch_fsdp_ext/_fully_shard/ as
 # generated here for the primary base (torch_fsdp_ext/_carried_base.py), plus
 # .whl/ with the wheels that machine lacks (expecttest): see CONTRIBUTING.md.
+set -uo pipefail
 usage="usage: bash tools/gpu_check.sh LOG_DIR [PYTHON]
 
 LOG_DIR  where the logs, the bench JSON/markdown/plots and summary.txt go
 PYTHON   interpreter with torch (CUDA) (default: .venv/bin/python); this checkout's
          torch_fsdp_ext is put first on its path"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,12s/^# \{0,1\}//p' "$0"
+  sed -n '2,11s/^# \{0,1\}//p' "$0"
   echo "$usage"
   [[ $# -ge 1 ]] && exit 0 || exit 2
 fi

@@ -75,40 +75,34 @@ def install() -> list[str]:
     returns their names."""
     global _lib
     added = []
-    if not hasattr(dist, "_is_spmd_types_available"):
+    for owner, name, value in (
         # Nothing in an older torch type-checks SPMD code
-        dist._is_spmd_types_available = lambda: False
-        added.append("torch.distributed._is_spmd_types_available")
-    # torch 2.15's names for the single-tensor collectives, same signatures
-    for name, older in (
-        ("all_gather_single", dist.all_gather_into_tensor),
-        ("reduce_scatter_single", dist.reduce_scatter_tensor),
-    ):
-        if not hasattr(dist, name):
-            setattr(dist, name, older)
-            added.append(f"torch.distributed.{name}")
-    if not hasattr(dist, "_spmd_no_typecheck"):
-        dist._spmd_no_typecheck = contextlib.nullcontext
-        added.append("torch.distributed._spmd_no_typecheck")
-    if not hasattr(torch.Tensor, "_has_grad_dtype_override"):
+        (dist, "_is_spmd_types_available", lambda: False),
+        (dist, "_spmd_no_typecheck", contextlib.nullcontext),
+        # torch 2.15's names for the single-tensor collectives, same signatures
+        (dist, "all_gather_single", dist.all_gather_into_tensor),
+        (dist, "reduce_scatter_single", dist.reduce_scatter_tensor),
         # torch 2.15 tells an unset ``grad_dtype`` from one set to the
         # tensor's dtype; before, only a different one shows
-        torch.Tensor._has_grad_dtype_override = property(lambda t: t.grad_dtype != t.dtype)
-        added.append("torch.Tensor._has_grad_dtype_override")
+        (torch.Tensor, "_has_grad_dtype_override", property(lambda t: t.grad_dtype != t.dtype)),
+        (fsdp_common_utils, "collect_grad_tensors", _collect_grad_tensors),
+        (fsdp_common_utils, "replace_grad_tensors", _replace_grad_tensors),
+    ):
+        if not hasattr(owner, name):
+            setattr(owner, name, value)
+            where = (
+                f"{owner.__module__}.{owner.__qualname__}"
+                if isinstance(owner, type)
+                else owner.__name__
+            )
+            added.append(f"{where}.{name}")
     if not callable(dist.ReduceOp.PREMUL_SUM):
         dist.ReduceOp.PREMUL_SUM = _PremulSum(dist.ReduceOp.PREMUL_SUM)
         # The pickled state of a PREMUL_SUM op is (op type, factor)
         dist.ReduceOp.factor = property(lambda op: op.__getstate__()[1])
         added.append("torch.distributed.ReduceOp.PREMUL_SUM(factor) and .factor")
-    for name, fn in (
-        ("collect_grad_tensors", _collect_grad_tensors),
-        ("replace_grad_tensors", _replace_grad_tensors),
-    ):
-        if not hasattr(fsdp_common_utils, name):
-            setattr(fsdp_common_utils, name, fn)
-            added.append(f"torch.distributed.fsdp._common_utils.{name}")
-    if _lib is None and not hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype"):
-        _lib = torch.library.Library("fsdp", "FRAGMENT")
+    if not hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype"):
+        _lib = torch.library.Library("fsdp", "FRAGMENT")  # kept: the op lives as long as it
         _lib.define(
             "chunk_cat_mixed_dtype(Tensor[] tensors, int dim, int num_chunks, *, "
             "Tensor(a!) out) -> ()"
