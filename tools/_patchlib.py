@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
+import difflib
 import email
 import email.policy
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -26,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
 UPSTREAM_TESTS = REPO / "test" / "upstream"
 WORKSPACES = REPO / ".workspace"
+# PyTorch's own ruff settings: what the series' files must pass upstream
+PYTORCH_RUFF = REPO / "tools" / "pytorch_ruff.toml"
 
 
 def _load_vendor():
@@ -305,6 +310,115 @@ def series_test_files(pdir: Path) -> dict[str, str]:
                     f"{proc.stderr.strip()}"
                 )
         return {str(p.relative_to(tmp)): p.read_text() for p in sorted(Path(tmp).rglob("*.py"))}
+
+
+def churn(ws: Path) -> dict[tuple[int, int], int]:
+    """``(k, j) -> n``: lines that patch ``k`` of the workspace's series adds and
+    patch ``j > k`` changes or deletes again (``git blame`` of each line that a
+    patch removes, at its parent). A stack a reviewer merges one PR at a time
+    has none: each patch's lines are final."""
+    commits = git(ws, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").stdout.split()
+    position = {commit: k for k, commit in enumerate(commits, start=1)}
+    counts: dict[tuple[int, int], int] = {}
+    for j, commit in enumerate(commits, start=1):
+        diff = git(ws, "diff", "-U0", "--no-renames", f"{commit}^", commit).stdout
+        path = None
+        for line in diff.splitlines():
+            if line.startswith("--- "):
+                path = line[len("--- a/") :] if line.startswith("--- a/") else None
+            elif line.startswith("@@") and path is not None:
+                start, _, count = line.split()[1][1:].partition(",")
+                if count == "0":
+                    continue
+                blame = git(
+                    ws, "blame", "-s", "-l", f"-L{start},+{count or 1}", f"{commit}^", "--", path
+                ).stdout
+                for entry in blame.splitlines():
+                    k = position.get(entry.split()[0].lstrip("^"))
+                    if k is not None:
+                        counts[(k, j)] = counts.get((k, j), 0) + 1
+    return counts
+
+
+def _ruff(*args: str, text: str, path: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, "--config", str(PYTORCH_RUFF)]
+        + ["--no-cache", "--stdin-filename", path, "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+    )
+
+
+def ruff_format(text: str, path: str) -> str:
+    """``text`` as ``ruff format`` with PyTorch's settings writes it."""
+    proc = _ruff("format", text=text, path=path)
+    if proc.returncode != 0:
+        raise vendor.VendorError(f"ruff format {path}:\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _lint_findings(text: str, path: str) -> collections.Counter[str]:
+    """PyTorch's ruff findings in ``text`` by code and message (not line)."""
+    proc = _ruff("check", "--output-format", "json", "--exit-zero", text=text, path=path)
+    return collections.Counter(f"{f['code']} {f['message']}" for f in json.loads(proc.stdout))
+
+
+def _format_changes(text: str, path: str) -> collections.Counter[str]:
+    """The lines ``ruff format`` would change in ``text``."""
+    lines = difflib.ndiff(text.splitlines(), ruff_format(text, path).splitlines())
+    return collections.Counter(line[2:] for line in lines if line.startswith("- "))
+
+
+def format_keeping_pristine(text: str, pristine: str | None, path: str) -> str:
+    """``text`` formatted with PyTorch's settings, except where it keeps a
+    pristine line that ruff would change: the patch then adds no formatting
+    change to upstream's own lines."""
+    formatted = ruff_format(text, path)
+    if pristine is None:
+        return formatted
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, base, theirs = (Path(tmp) / name for name in ("ours", "base", "theirs"))
+        ours.write_text(formatted)
+        base.write_text(ruff_format(pristine, path))
+        theirs.write_text(pristine)
+        proc = subprocess.run(
+            ["git", "merge-file", "-p", str(ours), str(base), str(theirs)],
+            capture_output=True,
+            text=True,
+        )
+    # A conflict: the patch changed a line that ruff reformats upstream; keep
+    # the formatted text there
+    return formatted if proc.returncode != 0 else proc.stdout
+
+
+def lint_errors(ws: Path) -> list[str]:
+    """Every file that ``base..HEAD`` of ``ws`` touches, checked with PyTorch's
+    ruff settings: a lint finding, or a line ``ruff format`` would change, that
+    the pristine file does not have."""
+    errors = []
+    paths = git(ws, "diff", "--name-only", "--diff-filter=AM", BASE_TAG, "HEAD").stdout.split()
+    for path in (p for p in paths if p.endswith(".py")):
+        text = git(ws, "show", f"HEAD:{path}").stdout
+        pristine_proc = git(ws, "show", f"{BASE_TAG}:{path}", check=False)
+        pristine = pristine_proc.stdout if pristine_proc.returncode == 0 else ""
+        new_findings = _lint_findings(text, path) - _lint_findings(pristine, path)
+        new_format = _format_changes(text, path) - _format_changes(pristine, path)
+        if new_findings:
+            errors.append(
+                f"{path}: lint findings the pristine file does not have: {sorted(new_findings)}"
+            )
+        if new_format:
+            errors.append(
+                f"{path}: ruff format would change {sum(new_format.values())} "
+                f"line(s) the patches add, e.g. {next(iter(new_format))!r}"
+            )
+    if errors:
+        errors.append(
+            "Fix: tools/workspace.py format, export (PyTorch's settings: "
+            f"{PYTORCH_RUFF.relative_to(REPO)})"
+        )
+    return errors
 
 
 def patch_subjects(pdir: Path) -> list[str]:

@@ -28,8 +28,10 @@ from _patchlib import (
     Target,
     add_base_arguments,
     am_series,
+    churn,
     format_patches,
     init_base_repo,
+    lint_errors,
     log,
     patch_subjects,
     resolve_target,
@@ -123,14 +125,31 @@ def check_base(target: Target, vendored_dir: Path) -> list[str]:
                 "Fix: tools/workspace.py export"
             )
         else:
-            churn = [p.name for p in series if not filecmp.cmp(p, exported / p.name, shallow=False)]
-            if churn:
+            changed = [
+                p.name for p in series if not filecmp.cmp(p, exported / p.name, shallow=False)
+            ]
+            if changed:
                 errors.append(
-                    f"exporting again changes {churn}; patches/{target.version} was not produced "
+                    f"exporting again changes {changed}; patches/{target.version} was not produced "
                     "by tools/workspace.py export. Fix: init, export"
                 )
             else:
                 log.info("ok: export round trip is a no-op")
+
+        if lint := lint_errors(ws):
+            errors += lint
+        else:
+            log.info("ok: PyTorch's ruff lint and format find nothing the pristine files lack")
+
+        counts = churn(ws)
+        for (k, j), n in sorted(counts.items()):
+            log.info(
+                "churn: %d line(s) of %s changed again by %s",
+                n,
+                series[k - 1].name,
+                series[j - 1].name,
+            )
+        log.info("churn: %d line(s) in all", sum(counts.values()))
     return errors
 
 

@@ -47,6 +47,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size, store=store)
     spec = MODELS[args.model]
     model = spec.build(MODES_BY_NAME["per-param"], spec.mesh("cpu", args.world_size))
+    model.set_rank_consistency_check(True)  # off by default
     inp = spec.make_input(rank, torch.device("cpu"))
     dist.barrier()
     start = time.perf_counter()
@@ -55,6 +56,8 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None
     state = model._get_fsdp_state()
     seconds = []
     for _ in range(args.repeat):
+        # Forget the last checked digests: the check at lazy init again
+        state._state_ctx.rank_check._digests = None
         dist.barrier()
         start = time.perf_counter()
         state._check_rank_consistency()

@@ -5,6 +5,9 @@
               paths, tagged ``base``, with patches/<version>/series applied as
               commits (git am)
   sync-tests  write the upstream-path form of test/upstream/*.py into it
+  format      reformat every commit of base..HEAD with PyTorch's ruff settings
+              (tools/pytorch_ruff.toml), leaving upstream's own lines as they
+              are, and write the tests' project form back to test/upstream/
   export      regenerate patches/<version>/ from base..HEAD (git format-patch),
               then the vendored copy if the base is the installed torch
 
@@ -15,14 +18,22 @@ See CONTRIBUTING.md for the full loop.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from _patchlib import (
+    BASE_TAG,
+    UPSTREAM_TESTS,
     Target,
     add_base_arguments,
     am_series,
     export_series,
+    format_keeping_pristine,
+    git,
     init_base_repo,
     log,
     resolve_target,
@@ -59,6 +70,42 @@ def sync_tests(target: Target, ws: Path) -> None:
     log.info("commit the changes into the patch they belong to (git commit --fixup)")
 
 
+def format_tree() -> None:
+    """The tree filter of ``format``: runs in a checkout of one commit."""
+    commit = os.environ["GIT_COMMIT"]
+    cwd = Path.cwd()
+    changed = git(cwd, "diff-tree", "-r", "--name-only", "--diff-filter=AM", BASE_TAG, commit)
+    for path in (p for p in changed.stdout.split() if p.endswith(".py")):
+        pristine = git(cwd, "show", f"{BASE_TAG}:{path}", check=False)
+        text = (cwd / path).read_text()
+        new = format_keeping_pristine(
+            text, pristine.stdout if pristine.returncode == 0 else None, path
+        )
+        if new != text:
+            (cwd / path).write_text(new)
+
+
+def format_series(ws: Path) -> None:
+    if git(ws, "status", "--porcelain").stdout.strip():
+        raise vendor.VendorError(f"{ws} has uncommitted changes; commit them first")
+    tree_filter = f"{shlex.quote(sys.executable)} {shlex.quote(__file__)} _format-tree"
+    subprocess.run(
+        ["git", "filter-branch", "-f", "--tree-filter", tree_filter, f"{BASE_TAG}..HEAD"],
+        cwd=ws,
+        env={**os.environ, "FILTER_BRANCH_SQUELCH_WARNING": "1"},
+        check=True,
+        capture_output=True,
+    )
+    # The project form of the formatted tests (imports from torch_fsdp_ext)
+    for path in sorted((ws / vendor.UPSTREAM_TEST_DIR).glob("test_*.py")):
+        text = path.read_text()
+        for old, new in reversed(vendor.TEST_REWRITES):
+            text = text.replace(new, old)
+        if (UPSTREAM_TESTS / path.name).exists():
+            (UPSTREAM_TESTS / path.name).write_text(text)
+    log.info("formatted base..HEAD in %s and test/upstream/; export next", ws)
+
+
 def export(target: Target, ws: Path) -> None:
     export_series(ws, target.pdir)
     if not target.installed:
@@ -71,7 +118,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=["init", "sync-tests", "export"])
+    if sys.argv[1:] == ["_format-tree"]:
+        format_tree()
+        return
+    parser.add_argument("command", choices=["init", "sync-tests", "format", "export"])
     add_base_arguments(parser)
     parser.add_argument(
         "--dir", type=Path, help="workspace (default: .workspace/<version> in the repository)"
@@ -86,6 +136,8 @@ def main() -> None:
             init(target, ws, args.force)
         elif args.command == "sync-tests":
             sync_tests(target, ws)
+        elif args.command == "format":
+            format_series(ws)
         else:
             export(target, ws)
     except vendor.VendorError as e:

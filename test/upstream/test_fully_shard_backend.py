@@ -1,6 +1,7 @@
 # Owner(s): ["oncall: distributed"]
 
 import contextlib
+import datetime
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -34,10 +35,14 @@ device_type = torch.device(get_devtype())
 # The grouped reduce-scatter copy-in: torch 2.15 made it the C++ op
 # ``fsdp::chunk_cat_mixed_dtype`` (mixed gradient dtypes); before, ``fsdp::chunk_cat``
 GROUPED_COPY_IN_OP = (
-    "chunk_cat_mixed_dtype" if hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype") else "chunk_cat"
+    "chunk_cat_mixed_dtype"
+    if hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype")
+    else "chunk_cat"
 )
 # Its namespace: torch's own for the C++ op, this module's for the Python one
-GROUPED_COPY_IN_NS = "fsdp" if GROUPED_COPY_IN_OP == "chunk_cat_mixed_dtype" else fsdp_lib.ns
+GROUPED_COPY_IN_NS = (
+    "fsdp" if GROUPED_COPY_IN_OP == "chunk_cat_mixed_dtype" else fsdp_lib.ns
+)
 
 
 @contextlib.contextmanager
@@ -81,7 +86,9 @@ class RecordingReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.input_data_ptrs.append(input_tensor.data_ptr())
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op, group, async_op
+        )
 
 
 class GradientReadingReduceScatter(RecordingReduceScatter):
@@ -160,13 +167,19 @@ class TestFullyShardBackendRegistry(TestCase):
             register_fsdp_backend("cpu:0", FSDPBackend())
         with self.assertRaisesRegex(TypeError, "Expected an FSDPBackend"):
             register_fsdp_backend("meta", {"group_collectives": False})
-        with self.assertRaisesRegex(TypeError, "group_collectives must be a bool or None"):
+        with self.assertRaisesRegex(
+            TypeError, "group_collectives must be a bool or None"
+        ):
             FSDPBackend(group_collectives="no")
         with self.assertRaisesRegex(TypeError, "supports_avg must be a bool or None"):
             FSDPBackend(supports_avg="no")
-        with self.assertRaisesRegex(TypeError, "reduce_scatter_comm must be a zero-argument"):
+        with self.assertRaisesRegex(
+            TypeError, "reduce_scatter_comm must be a zero-argument"
+        ):
             FSDPBackend(reduce_scatter_comm=DefaultReduceScatter())
-        with self.assertRaisesRegex(ValueError, "No FSDP backend is registered for 'meta'"):
+        with self.assertRaisesRegex(
+            ValueError, "No FSDP backend is registered for 'meta'"
+        ):
             unregister_fsdp_backend("meta")
 
     def test_missing_capabilities_select_force_sum(self):
@@ -174,17 +187,22 @@ class TestFullyShardBackendRegistry(TestCase):
         AVG reduces with exactly the ops and factors of
         ``set_force_sum_reduction_for_comms(True)``."""
         pg = _FakeGroup(4, _NCCL)
-        forced = _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0, True)
+        forced = _get_gradient_divide_factors(
+            pg, None, torch.float32, "meta", 3.0, True
+        )
         with _registered("meta", FSDPBackend(supports_premul_sum=False)):
             self.assertEqual(
-                _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0), forced
+                _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0),
+                forced,
             )
             # AVG stays available when the factor is the world size
             self.assertEqual(
                 _get_gradient_divide_factors(pg, None, torch.float32, "meta", 4.0)[2],
                 dist.ReduceOp.AVG,
             )
-        forced_avg = _get_gradient_divide_factors(pg, None, torch.float32, "meta", None, True)
+        forced_avg = _get_gradient_divide_factors(
+            pg, None, torch.float32, "meta", None, True
+        )
         with _registered("meta", FSDPBackend(supports_avg=False)):
             self.assertEqual(
                 _get_gradient_divide_factors(pg, None, torch.float32, "meta", None),
@@ -196,7 +214,8 @@ class TestFullyShardBackendRegistry(TestCase):
 
 
 class _C10dBackend:
-    """What FSDP asks of a process group's c10d backend."""
+    """What FSDP asks of a process group's c10d backend: a stand-in for one
+    that is not gloo, whatever its name."""
 
     def __init__(self, name: str, supports_coalescing: bool):
         self._name = name
@@ -207,7 +226,10 @@ class _C10dBackend:
 
 
 _NCCL = _C10dBackend("nccl", supports_coalescing=True)
-_GLOO = _C10dBackend("gloo", supports_coalescing=False)
+_XCCL = _C10dBackend("xccl", supports_coalescing=True)
+_TPU = _C10dBackend("tpu_dist", supports_coalescing=False)
+# A real c10d gloo backend (one rank): FSDP tells gloo by its type
+_GLOO = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
 
 
 class _FakeGroup:
@@ -229,19 +251,24 @@ class _FakeGroup:
 class TestFullyShardBackendCapabilities(TestCase):
     def test_capabilities_follow_the_process_group(self):
         """Tests that coalescing and ``PREMUL_SUM`` come from the process
-        group's c10d backend for the device (NCCL has both, gloo neither, a
-        group without a backend for the device reports none), the same on
-        any device type, and that a registration for the device type
-        overrides exactly the capabilities it sets."""
+        group's c10d backend for the device, not from its name (NCCL, XCCL
+        and an out-of-tree backend have ``PREMUL_SUM``, gloo's c10d backend
+        neither it nor coalescing, a group without a backend for the device
+        reports none), the same on any device type, and that a registration
+        for the device type overrides exactly the capabilities it sets."""
         meta = torch.device("meta")
         for backend, expected in (
             (_NCCL, (True, True, True)),
+            (_XCCL, (True, True, True)),
+            (_TPU, (False, True, True)),
             (_GLOO, (False, True, False)),
             (None, (False, True, False)),
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
             self.assertEqual(tuple(caps), expected, msg=backend and backend.name())
-        with _registered("meta", FSDPBackend(supports_coalescing=False, supports_avg=False)):
+        with _registered(
+            "meta", FSDPBackend(supports_coalescing=False, supports_avg=False)
+        ):
             caps = _get_comm_capabilities(_FakeGroup(2, _NCCL), meta)
         self.assertEqual(tuple(caps), (False, False, True))
         with _registered("meta", FSDPBackend(supports_premul_sum=True)):
@@ -249,25 +276,35 @@ class TestFullyShardBackendCapabilities(TestCase):
         self.assertEqual(tuple(caps), (False, True, True))
 
     def test_divide_factor_follows_the_process_group(self):
-        """Tests that a divide factor reduces with ``PREMUL_SUM`` on an NCCL
-        group and with ``SUM`` plus FSDP's own divides on a gloo group, with
-        no registration, and on a real (fake) c10d process group."""
-        ops = {
-            name: _get_gradient_divide_factors(group, None, torch.float32, "meta", 3.0)[2]
-            for name, group in (("nccl", _FakeGroup(4, _NCCL)), ("gloo", _FakeGroup(4, _GLOO)))
-        }
-        self.assertNotEqual(ops["nccl"], dist.ReduceOp.SUM)
-        self.assertEqual(ops["gloo"], dist.ReduceOp.SUM)
+        """Tests that a divide factor reduces with ``PREMUL_SUM`` on NCCL, XCCL
+        and out-of-tree groups and with ``SUM`` plus FSDP's own divides on a
+        gloo group, with no registration, and on a real (fake) c10d process
+        group; and that a 1-rank gloo mesh, where no collective runs, keeps
+        the division in FSDP's copy (no pre/post divides)."""
+        for backend in (_NCCL, _XCCL, _TPU):
+            op = _get_gradient_divide_factors(
+                _FakeGroup(4, backend), None, torch.float32, "meta", 3.0
+            )[2]
+            self.assertNotEqual(op, dist.ReduceOp.SUM, msg=backend.name())
+        factors = _get_gradient_divide_factors(
+            _FakeGroup(4, _GLOO), None, torch.float32, "meta", 3.0
+        )
+        self.assertEqual(factors[2], dist.ReduceOp.SUM)
+        self.assertEqual(factors[1], 3.0)
+        factors = _get_gradient_divide_factors(
+            _FakeGroup(1, _GLOO), None, torch.float32, "meta", 2.0
+        )
+        self.assertEqual(factors[:2], (None, None))
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
         try:
             group = dist.group.WORLD
             self.assertEqual(
-                tuple(_get_comm_capabilities(group, device_type)), (False, True, False)
+                tuple(_get_comm_capabilities(group, device_type)), (False, True, True)
             )
             factors = _get_gradient_divide_factors(
                 group, None, torch.float32, device_type.type, 3.0
             )
-            self.assertEqual(factors[2], dist.ReduceOp.SUM)
+            self.assertNotEqual(factors[2], dist.ReduceOp.SUM)
         finally:
             dist.destroy_process_group()
 
@@ -294,24 +331,33 @@ class TestFullyShardBackendDefaults(TestCase):
                 self.assertEqual([g.group_collectives for g in groups], [expected])
         with _registered(device_type.type, FSDPBackend()):
             model = fully_shard(MLP(8))
-            self.assertTrue(model._get_fsdp_state()._fsdp_param_groups[0].group_collectives)
+            self.assertTrue(
+                model._get_fsdp_state()._fsdp_param_groups[0].group_collectives
+            )
 
     def test_backend_comms_are_group_defaults(self):
         """Tests that each parameter group gets its own comm from the
         backend's factories, that ``set_custom_*`` still overrides them, and
         that unregistering restores the default comms."""
         backend = FSDPBackend(
-            all_gather_comm=RecordingAllGather, reduce_scatter_comm=RecordingReduceScatter
+            all_gather_comm=RecordingAllGather,
+            reduce_scatter_comm=RecordingReduceScatter,
         )
         with _registered(device_type.type, backend):
             model = nn.Sequential(MLP(8), MLP(8))
             fully_shard(model[0])
             fully_shard(model)
-            groups = [m._get_fsdp_state()._fsdp_param_groups[0] for m in (model[0], model)]
+            groups = [
+                m._get_fsdp_state()._fsdp_param_groups[0] for m in (model[0], model)
+            ]
             for group in groups:
                 self.assertIsInstance(group._all_gather_comm, RecordingAllGather)
-                self.assertIsInstance(group._reduce_scatter_comm, RecordingReduceScatter)
-            self.assertIsNot(groups[0]._reduce_scatter_comm, groups[1]._reduce_scatter_comm)
+                self.assertIsInstance(
+                    group._reduce_scatter_comm, RecordingReduceScatter
+                )
+            self.assertIsNot(
+                groups[0]._reduce_scatter_comm, groups[1]._reduce_scatter_comm
+            )
             model.set_custom_reduce_scatter(DefaultReduceScatter())
             self.assertIsInstance(groups[1]._reduce_scatter_comm, DefaultReduceScatter)
         group = fully_shard(MLP(8))._get_fsdp_state()._fsdp_param_groups[0]
@@ -343,7 +389,9 @@ class TestFullyShardBackendDefaults(TestCase):
             with self.subTest(comm_cls=comm_cls.__name__):
                 self._test_backend_comm_gets_gradients_themselves(comm_cls)
 
-    def _test_backend_comm_gets_gradients_themselves(self, comm_cls: type[ReduceScatter]):
+    def _test_backend_comm_gets_gradients_themselves(
+        self, comm_cls: type[ReduceScatter]
+    ):
         backend = FSDPBackend(
             group_collectives=False,
             all_gather_comm=RecordingAllGather,
@@ -374,7 +422,9 @@ class TestFullyShardBackendDefaults(TestCase):
         """Tests that the backend's ``allocate`` provides the reduce-scatter
         output and every input of a comm that does not accept gradients
         themselves: FSDP allocates nothing of its own."""
-        with _registered(device_type.type, FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
+        with _registered(
+            device_type.type, FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)
+        ):
             torch.manual_seed(42)
             model = fully_shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 8)))
             model.set_group_collectives(False)
@@ -390,7 +440,9 @@ class TestFullyShardBackendDefaults(TestCase):
     def test_grouped_buffer_from_backend_allocate(self):
         """Tests that in grouped mode the backend's comm allocates the
         group-wide reduce-scatter input (the ``chunk_cat`` buffer) and output."""
-        with _registered(device_type.type, FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)):
+        with _registered(
+            device_type.type, FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)
+        ):
             torch.manual_seed(42)
             model = fully_shard(MLP(8))
             comm = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
@@ -416,7 +468,9 @@ class TestFullyShardBackendDefaults(TestCase):
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Warning only once for all operators")
-                warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
+                warnings.filterwarnings(
+                    "ignore", "Overriding a previously registered kernel"
+                )
                 lib.impl(GROUPED_COPY_IN_OP, chunk_cat, device_type.type.upper())
             model(torch.randn(4, 8, device=device_type)).sum().backward()
         finally:
@@ -460,7 +514,9 @@ class TestFullyShardBackendDefaults(TestCase):
         op per parameter where it does not."""
         ops = {}
         for coalescing in (False, True):
-            with _registered(device_type.type, FSDPBackend(supports_coalescing=coalescing)):
+            with _registered(
+                device_type.type, FSDPBackend(supports_coalescing=coalescing)
+            ):
                 torch.manual_seed(42)
                 model = fully_shard(MLP(8), group_collectives=False)
                 inp = torch.randn(4, 8, device=device_type)
@@ -468,10 +524,15 @@ class TestFullyShardBackendDefaults(TestCase):
                 with _C10dOpCounter() as counter:
                     model(inp).sum().backward()
             ops[coalescing] = dict(counter.ops)
-        self.assertEqual(ops[False], {"_allgather_base_": 4, "_reduce_scatter_base_": 4})
+        self.assertEqual(
+            ops[False], {"_allgather_base_": 4, "_reduce_scatter_base_": 4}
+        )
         self.assertEqual(
             ops[True],
-            {"allgather_into_tensor_coalesced_": 1, "reduce_scatter_tensor_coalesced_": 1},
+            {
+                "allgather_into_tensor_coalesced_": 1,
+                "reduce_scatter_tensor_coalesced_": 1,
+            },
         )
 
 

@@ -26,7 +26,9 @@ class TestFullyShardSingleRankReduceScatter(FSDPTestMultiThread):
             self._test_gradient_divide_factor_applied_once,
         )
 
-    def _test_gradient_divide_factor_applied_once(self, group_collectives: bool, force_sum: bool):
+    def _test_gradient_divide_factor_applied_once(
+        self, group_collectives: bool, force_sum: bool
+    ):
         torch.manual_seed(42)
         ref = nn.Linear(8, 8, device=device_type)
         model = copy.deepcopy(ref)

@@ -8,7 +8,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.testing._internal.common_fsdp import MLP, FSDPTest, FSDPTestMultiThread, get_devtype
+from torch.testing._internal.common_fsdp import (
+    MLP,
+    FSDPTest,
+    FSDPTestMultiThread,
+    get_devtype,
+)
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,7 +26,10 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     lib as fsdp_lib,
 )
-from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch_fsdp_ext._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    ShardPlacementResult,
+)
 
 device_type = torch.device(get_devtype())
 # Parity needs real collectives: one process per accelerator on its default
@@ -38,7 +46,14 @@ _COLLECTIVES = {
     "allreduce_coalesced_": "all_reduce",
 }
 # Ops that copy parameter or gradient data on FSDP's side
-_COPIES = {"copy_", "_foreach_copy_", "cat", "_chunk_cat", "split_with_sizes_copy", "_to_copy"}
+_COPIES = {
+    "copy_",
+    "_foreach_copy_",
+    "cat",
+    "_chunk_cat",
+    "split_with_sizes_copy",
+    "_to_copy",
+}
 
 
 class _CommAndCopyRecorder(TorchDispatchMode):
@@ -74,7 +89,9 @@ class _FakeProcessGroupTestCase(TestCase):
 
     def setUp(self):
         super().setUp()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+        dist.init_process_group(
+            "fake", store=FakeStore(), rank=0, world_size=self.world_size
+        )
 
     def tearDown(self):
         dist.destroy_process_group()
@@ -197,7 +214,9 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
         reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
         self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
         # torch 2.15 made the copy-in the C++ ``fsdp::chunk_cat_mixed_dtype``
-        copy_ins = recorder.copies["chunk_cat"] + recorder.copies["chunk_cat_mixed_dtype"]
+        copy_ins = (
+            recorder.copies["chunk_cat"] + recorder.copies["chunk_cat_mixed_dtype"]
+        )
         self.assertEqual(copy_ins, 2)
 
 
@@ -209,10 +228,19 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         model = _two_block_model(group_collectives=False)
         recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         all_gathers = [c for c in recorder.collectives if "all_gather" in c]
-        per_block = ["all_gather 128", "all_gather 16", "all_gather 128", "all_gather 4"]
+        per_block = [
+            "all_gather 128",
+            "all_gather 16",
+            "all_gather 128",
+            "all_gather 4",
+        ]
         self.assertEqual(
             all_gathers,
-            [f"{phase} {c}" for phase in ("forward", "backward") for c in per_block * 2],
+            [
+                f"{phase} {c}"
+                for phase in ("forward", "backward")
+                for c in per_block * 2
+            ],
         )
         self.assertEqual(recorder.copies, Counter())
 
@@ -222,7 +250,9 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         gathered in that dtype."""
         torch.manual_seed(42)
         model = MLP(8)
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
         fully_shard(model, mp_policy=mp_policy, group_collectives=False)
         recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         self.assertNotIn("all_gather_copy_in", recorder.copies)
@@ -242,10 +272,14 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
             model = _two_block_model(group_collectives=group_collectives)
             group = model[0]._get_fsdp_state()._fsdp_param_groups[0]
             if not hasattr(group, "_all_gather_output_fn"):
-                self.skipTest("torch before 2.15 has no all-gather output function hook")
+                self.skipTest(
+                    "torch before 2.15 has no all-gather output function hook"
+                )
             default_fn = group._all_gather_output_fn
 
-            def output_fn(*args, default_fn=default_fn, group_collectives=group_collectives):
+            def output_fn(
+                *args, default_fn=default_fn, group_collectives=group_collectives
+            ):
                 calls.append(group_collectives)
                 default_fn(*args)
 
@@ -254,7 +288,8 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
                 model(torch.randn(4, 8, device=device_type)).sum().backward()
             else:
                 with self.assertRaisesRegex(
-                    NotImplementedError, "does not run a custom all-gather output function"
+                    NotImplementedError,
+                    "does not run a custom all-gather output function",
                 ):
                     model(torch.randn(4, 8, device=device_type))
         self.assertTrue(calls)
@@ -288,7 +323,9 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
             return hook
 
         # FSDP's pre-forward hook is prepended, so this one runs before it
-        model[1].register_forward_pre_hook(record("before block 1 unshard"), prepend=True)
+        model[1].register_forward_pre_hook(
+            record("before block 1 unshard"), prepend=True
+        )
         model[1].register_forward_pre_hook(record("after block 1 copy-out"))
         out = model(inp)
         self.assertEqual(seen["before block 1 unshard"], [True] * 4)
@@ -389,7 +426,9 @@ class TestFullyShardGroupCollectivesParity(_ParityTestCase):
             {
                 "mp_policy": [
                     MixedPrecisionPolicy(),
-                    MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                    MixedPrecisionPolicy(
+                        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                    ),
                 ],
                 "dim": [8, 7],  # evenly and unevenly sharded
                 "reshard_after_forward": [True, False],
@@ -419,7 +458,9 @@ class TestFullyShardGroupCollectivesParity(_ParityTestCase):
                 models = _copies_of_two_block_model(
                     8,
                     [{"group_collectives": False}, {"group_collectives": False}],
-                    shard_placement_fn=lambda p, s=placement: s if p.ndim == 2 else None,
+                    shard_placement_fn=lambda p, s=placement: (
+                        s if p.ndim == 2 else None
+                    ),
                 )
                 for module in (*models[0], models[0]):
                     module.set_custom_all_gather(comm)
@@ -475,7 +516,9 @@ class TestFullyShardGroupCollectivesRuntimeSwitch(_ParityTestCase):
         non-bool and leaves the flag unchanged."""
         model = MLP(8)
         fully_shard(model)
-        with self.assertRaisesRegex(TypeError, "group_collectives must be a bool but got 'no'"):
+        with self.assertRaisesRegex(
+            TypeError, "group_collectives must be a bool but got 'no'"
+        ):
             model.set_group_collectives("no")
         self.assertTrue(_groups(model)[0].group_collectives)
 
@@ -490,7 +533,9 @@ class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(_ParityTestCase):
         (``set_requires_all_reduce(False)``) is pending gives the same
         gradients as staying in one mode: both modes lay out the partial
         reduce output the same way."""
-        mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("replicate", "shard")
+        )
         torch.manual_seed(42)
         base = MLP(8)
         models = [copy.deepcopy(base) for _ in range(2)]
@@ -506,8 +551,12 @@ class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(_ParityTestCase):
             model.set_requires_all_reduce(True)
             model(inps[1]).sum().backward()
         self.assertFalse(_groups(models[0])[0].group_collectives)
-        for param, ref_param in zip(models[0].parameters(), models[1].parameters(), strict=True):
-            self.assertTrue(torch.equal(param.grad.to_local(), ref_param.grad.to_local()))
+        for param, ref_param in zip(
+            models[0].parameters(), models[1].parameters(), strict=True
+        ):
+            self.assertTrue(
+                torch.equal(param.grad.to_local(), ref_param.grad.to_local())
+            )
 
 
 class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
@@ -521,7 +570,11 @@ class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
         and for a chunk size that packs differently than one tensor."""
         self.run_subtests(
             {
-                "op": [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM(0.3)],
+                "op": [
+                    dist.ReduceOp.SUM,
+                    dist.ReduceOp.AVG,
+                    dist.ReduceOp.PREMUL_SUM(0.3),
+                ],
                 "dtype": [torch.float32, torch.bfloat16],
             },
             self._test_sums_in_rank_order,
@@ -533,7 +586,9 @@ class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
         inp = torch.randn(self.world_size * 37, dtype=dtype, device=device_type)
         out = torch.empty(37, dtype=dtype, device=device_type)
         self.assertIsNone(DeterministicReduceScatter()(out, inp.clone(), group, op))
-        gathered = torch.empty(self.world_size * inp.numel(), dtype=dtype, device=device_type)
+        gathered = torch.empty(
+            self.world_size * inp.numel(), dtype=dtype, device=device_type
+        )
         dist.all_gather_into_tensor(gathered, inp, group=group)
         chunks = gathered.view(self.world_size, self.world_size, -1)[:, self.rank]
         if getattr(op, "op", op) == dist.ReduceOp.PREMUL_SUM:
@@ -548,15 +603,21 @@ class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
     def test_rejects_unsupported_op(self):
         """Tests that ops other than SUM, AVG and PREMUL_SUM raise."""
         group = dist.distributed_c10d._get_default_group()
-        with self.assertRaisesRegex(NotImplementedError, "supports SUM, AVG and PREMUL_SUM"):
-            DeterministicReduceScatter()(torch.empty(2), torch.zeros(8), group, dist.ReduceOp.MAX)
+        with self.assertRaisesRegex(
+            NotImplementedError, "supports SUM, AVG and PREMUL_SUM"
+        ):
+            DeterministicReduceScatter()(
+                torch.empty(2), torch.zeros(8), group, dist.ReduceOp.MAX
+            )
 
     def test_rejects_input_not_divisible_by_world_size(self):
         """Tests that an input that does not split into one chunk per rank
         raises naming both sizes, instead of a failed reshape."""
         group = dist.distributed_c10d._get_default_group()
         with self.assertRaisesRegex(ValueError, "input of 5 elements.*world size 4"):
-            DeterministicReduceScatter()(torch.empty(1), torch.zeros(5), group, dist.ReduceOp.SUM)
+            DeterministicReduceScatter()(
+                torch.empty(1), torch.zeros(5), group, dist.ReduceOp.SUM
+            )
 
     def test_per_param_matches_grouped(self):
         """Tests that with ``DeterministicReduceScatter`` on both sides,
@@ -607,7 +668,9 @@ def _train_and_compare(
         params = [list(model.parameters()) for model in models]
         for model_params in params[:-1]:
             for param, ref_param in zip(model_params, params[-1], strict=True):
-                test.assertEqual(param.grad.to_local(), ref_param.grad.to_local(), atol=0, rtol=0)
+                test.assertEqual(
+                    param.grad.to_local(), ref_param.grad.to_local(), atol=0, rtol=0
+                )
         for optim in optims:
             optim.step()
             optim.zero_grad(set_to_none=step % 2 == 0)

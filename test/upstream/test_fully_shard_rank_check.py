@@ -1,9 +1,10 @@
 # Owner(s): ["oncall: distributed"]
 
+import contextlib
 import datetime
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,9 @@ from torch.testing._internal.common_fsdp import FSDPTestMultiThread, get_devtype
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
-from torch_fsdp_ext._fully_shard._fsdp_collectives import DeterministicReduceScatter
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DeterministicReduceScatter,
+)
 from torch_fsdp_ext._fully_shard._fsdp_common import ShardPlacementResult
 
 device_type = torch.device(get_devtype())
@@ -26,10 +29,41 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
 
 
-def _shard(model: nn.Sequential, **kwargs) -> nn.Sequential:
+def _shard(model: nn.Sequential, check: bool | None = True, **kwargs) -> nn.Sequential:
     fully_shard(model[0], **kwargs)
     fully_shard(model, **kwargs)
+    if check is not None:
+        model.set_rank_consistency_check(check)
     return model
+
+
+@contextlib.contextmanager
+def _debug_level(level: dist.DebugLevel) -> Iterator[None]:
+    previous = dist.get_debug_level()
+    dist.set_debug_level(level)
+    try:
+        yield
+    finally:
+        dist.set_debug_level(previous)
+
+
+@contextlib.contextmanager
+def _recording_all_gather_object(rank: int) -> Iterator[list]:
+    """Records what this rank passes to ``all_gather_object``."""
+    calls = []
+    all_gather_object = dist.all_gather_object
+
+    def recording(output, obj, group=None):
+        # The threads of every rank share the patched function
+        if dist.get_rank() == rank:
+            calls.append(obj)
+        return all_gather_object(output, obj, group=group)
+
+    dist.all_gather_object = recording
+    try:
+        yield calls
+    finally:
+        dist.all_gather_object = all_gather_object
 
 
 class TestFullyShardRankCheck(FSDPTestMultiThread):
@@ -41,7 +75,9 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         """Misuse by name: the field the error must name, and the ``fully_shard``
         kwargs of each rank."""
         # A second mesh over the same ranks: a group of its own
-        other_mesh = init_device_mesh(device_type.type, (self.world_size,), mesh_dim_names=("ep",))
+        other_mesh = init_device_mesh(
+            device_type.type, (self.world_size,), mesh_dim_names=("ep",)
+        )
         return {
             "mode": ("group_collectives", lambda r: {"group_collectives": r == 0}),
             # Same shard size (8x8 on 2 ranks): would train on wrong data
@@ -96,6 +132,7 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         torch.manual_seed(0)
         model = nn.Linear(8, 8 if self.rank == 0 else 6)
         fully_shard(model, mesh=mesh)
+        model.set_rank_consistency_check(True)
         with self.assertRaisesRegex(
             ValueError,
             "parameter 'weight' padded sharded shape is \\(4, 8\\) on rank 0 but \\(3, 8\\) on rank 1",
@@ -116,50 +153,92 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
     def test_consistent_ranks_check_once(self):
         """Tests that agreeing ranks train, that the check exchanges one
         16-byte digest per mesh with one ``all_gather_object`` at lazy init and
-        nothing in later steps, and that each change made on every rank
+        nothing in later steps, that each change made on every rank
         (``set_group_collectives``, ``set_reshard_after_forward``) is
-        re-checked once, at the next forward."""
+        re-checked once, at the next forward, and that a setting toggled back
+        within a step is not re-checked."""
         mesh = init_device_mesh(device_type.type, (self.world_size,))
         model = _shard(_model(), mesh=mesh)
-        calls = []
-        all_gather_object = dist.all_gather_object
-
-        def recording(output, obj, group=None):
-            # The threads of every rank share the patched function
-            if dist.get_rank() == self.rank:
-                calls.append(obj)
-            return all_gather_object(output, obj, group=group)
-
-        dist.all_gather_object = recording
-        try:
+        with _recording_all_gather_object(self.rank) as calls:
             for _ in range(3):
                 model(torch.randn(2, 8, device=device_type)).sum().backward()
-        finally:
-            dist.all_gather_object = all_gather_object
         self.assertEqual(len(calls), 1)
-        self.assertEqual([len(d) for d in calls[0].values()], [16])
-        state = model._get_fsdp_state()
-        self.assertEqual(state._state_ctx.rank_check_round, 0)
+        _, digests = calls[0]
+        self.assertEqual([len(d) for d in digests.values()], [16])
+        rank_check = model._get_fsdp_state()._state_ctx.rank_check
+        self.assertEqual(rank_check.round, 0)
         model.set_group_collectives(False)
         model.set_group_collectives(False)
         model(torch.randn(2, 8, device=device_type)).sum().backward()
-        self.assertEqual(state._state_ctx.rank_check_round, 1)
+        self.assertEqual(rank_check.round, 1)
         # No change, no re-check
         model.set_group_collectives(False)
         model(torch.randn(2, 8, device=device_type)).sum().backward()
-        self.assertEqual(state._state_ctx.rank_check_round, 1)
+        self.assertEqual(rank_check.round, 1)
+        # Toggled and back before the next forward (torchtitan's chunked loss)
+        model[0].set_reshard_after_forward(False)
+        model[0].set_reshard_after_forward(True)
+        model(torch.randn(2, 8, device=device_type)).sum().backward()
+        self.assertEqual(rank_check.round, 1)
         # The child stops resharding after forward: its backward all-gather goes
         model.set_reshard_after_forward(False)
         model(torch.randn(2, 8, device=device_type)).sum().backward()
-        self.assertEqual(state._state_ctx.rank_check_round, 2)
+        self.assertEqual(rank_check.round, 2)
+
+    def test_off_by_default_on_with_debug_level(self):
+        """Tests that the check issues nothing by default, so FSDP's
+        collectives are exactly upstream's, and exchanges its digest at lazy
+        init with ``TORCH_DISTRIBUTED_DEBUG=INFO``."""
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
+        for level, expected_calls in (
+            (dist.DebugLevel.OFF, 0),
+            (dist.DebugLevel.INFO, 1),
+            (dist.DebugLevel.DETAIL, 1),
+        ):
+            with self.subTest(level=level):
+                model = _shard(_model(), check=None, mesh=mesh)
+                with (
+                    _debug_level(level),
+                    _recording_all_gather_object(self.rank) as calls,
+                ):
+                    model(torch.randn(2, 8, device=device_type)).sum().backward()
+                self.assertEqual(len(calls), expected_calls)
+
+    def test_frozen_parameter_on_one_rank_raises(self):
+        """Tests that a parameter frozen on one rank only, which would skip its
+        reduce-scatter there, is named with ``requires_grad``."""
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
+        model = _model()
+        if self.rank == 1:
+            model[0].weight.requires_grad_(False)
+        _shard(model, mesh=mesh)
+        with self.assertRaisesRegex(
+            ValueError,
+            "parameter '0.weight' requires_grad is True on rank 0 but False on rank 1",
+        ):
+            model(torch.randn(2, 8, device=device_type))
+
+    def test_enable_after_first_forward_raises(self):
+        """Tests that turning the check on after lazy init, when ranks could no
+        longer agree on when to exchange, raises."""
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
+        model = _shard(_model(), check=None, mesh=mesh)
+        model(torch.randn(2, 8, device=device_type)).sum().backward()
+        with self.assertRaisesRegex(RuntimeError, "before the first forward"):
+            model.set_rank_consistency_check(True)
 
     def test_check_can_be_disabled(self):
         """Tests that ``set_rank_consistency_check(False)`` on the root skips
         the check: a placement mismatch of equal shard sizes then trains."""
         mesh = init_device_mesh(device_type.type, (self.world_size,))
-        model = _shard(_model(), mesh=mesh, shard_placement_fn=lambda p: Shard(self.rank % p.ndim))
-        model.set_rank_consistency_check(False)
-        model(torch.randn(2, 8, device=device_type)).sum().backward()
+        model = _shard(
+            _model(),
+            check=False,
+            mesh=mesh,
+            shard_placement_fn=lambda p: Shard(self.rank % p.ndim),
+        )
+        with _debug_level(dist.DebugLevel.DETAIL):
+            model(torch.randn(2, 8, device=device_type)).sum().backward()
 
 
 class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):
@@ -171,25 +250,64 @@ class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):
         super().setUp()
         self._spawn_processes()
 
+    def _init_process_group(self, timeout: datetime.timedelta) -> dist.Store:
+        store = dist.FileStore(self.file_name, self.world_size)
+        dist.init_process_group(
+            "gloo",
+            rank=self.rank,
+            world_size=self.world_size,
+            store=store,
+            timeout=timeout,
+        )
+        return store
+
+    def test_two_roots_toggling_each_step(self):
+        """Tests that two roots built one after another in one process, one
+        grouped and one per-parameter, each toggling
+        ``set_reshard_after_forward`` between steps (a real change each step),
+        train with the check on and off: each root's re-checks read only its
+        own keys, and none is left in the store."""
+        store = self._init_process_group(datetime.timedelta(seconds=60))
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        keys_before = store.num_keys()
+        for check in (True, False):
+            roots = [
+                _shard(
+                    _model(),
+                    check=check,
+                    mesh=mesh,
+                    group_collectives=group_collectives,
+                )
+                for group_collectives in (True, False)
+            ]
+            for step in range(4):
+                for root in roots:
+                    root.set_reshard_after_forward(step % 2 == 0)
+                    root(torch.randn(2, 8)).sum().backward()
+            for root in roots:
+                self.assertEqual(
+                    root._get_fsdp_state()._state_ctx.rank_check.round,
+                    3 if check else 0,
+                )
+        # Every rank has read (and the last deleted) every key
+        dist.barrier()
+        self.assertEqual(store.num_keys(), keys_before)
+        dist.destroy_process_group()
+
     def test_change_on_one_rank_raises(self):
         """Tests that ``set_group_collectives`` on one rank only ends in a Python
         error within the process-group timeout: the changed rank's re-check
         waits on the store, not in a collective that would pair with the other
         rank's all-gather (a native abort on gloo), and names the fix."""
-        dist.init_process_group(
-            "gloo",
-            rank=self.rank,
-            world_size=self.world_size,
-            store=dist.FileStore(self.file_name, self.world_size),
-            timeout=datetime.timedelta(seconds=5),
-        )
+        self._init_process_group(datetime.timedelta(seconds=5))
         mesh = init_device_mesh("cpu", (self.world_size,))
         model = _shard(_model(), mesh=mesh)
         model(torch.randn(2, 8)).sum().backward()
         if self.rank == 0:
             model.set_group_collectives(False)
             with self.assertRaisesRegex(
-                ValueError, "rank 0 changed how it communicates .* ranks \\[1\\] .* every rank"
+                ValueError,
+                "rank 0 changed how it communicates .* ranks \\[1\\] .* every rank",
             ):
                 model(torch.randn(2, 8))
         else:

@@ -9,13 +9,22 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.testing._internal.common_fsdp import FSDPTest, FSDPTestMultiThread, get_devtype
+from torch.testing._internal.common_fsdp import (
+    FSDPTest,
+    FSDPTestMultiThread,
+    get_devtype,
+)
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import DataParallelMeshDims, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
-from torch_fsdp_ext._fully_shard._fsdp_collectives import DeterministicReduceScatter
-from torch_fsdp_ext._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DeterministicReduceScatter,
+)
+from torch_fsdp_ext._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    ShardPlacementResult,
+)
 
 device_type = torch.device(get_devtype())
 # Parity needs real collectives: one process per accelerator on its default
@@ -97,10 +106,14 @@ class _MoEMeshTestCase(_ParityTestCase):
                 model,
                 mesh=dp_mesh,
                 group_collectives=group_collectives,
-                shard_placement_fn=lambda p: expert_placement if _is_expert(p) else None,
+                shard_placement_fn=lambda p: (
+                    expert_placement if _is_expert(p) else None
+                ),
             )
             check_model(model)
-            states.append((self._train(model), [p.to_local() for p in model.parameters()]))
+            states.append(
+                (self._train(model), [p.to_local() for p in model.parameters()])
+            )
         self._assert_states_equal(*states)
         return states
 
@@ -117,14 +130,18 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         """Tests that ``ShardPlacementResult(mesh=...)`` gives one param group
         per mesh, FSDP on a 1D mesh and HSDP on a 2D mesh, and that both
         collective modes train it to the same bits."""
-        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
+        world_mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
+        )
         dp_mesh = init_device_mesh(device_type.type, (self.world_size,))
         for expert_mesh, expected_placements in (
             (world_mesh["efsdp"], (Shard(1),)),
             (world_mesh, (Replicate(), Shard(1))),
         ):
 
-            def check_model(model, expert_mesh=expert_mesh, placements=expected_placements):
+            def check_model(
+                model, expert_mesh=expert_mesh, placements=expected_placements
+            ):
                 self.assertEqual(len(model._get_fsdp_state()._fsdp_param_groups), 2)
                 self.assertEqual(model.experts.w.device_mesh, expert_mesh)
                 self.assertEqual(model.experts.w.placements, placements)
@@ -157,7 +174,9 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
         optimizer step (it used to fail on DTensor in-place ops) and is bitwise
         equal to passing that dim's 1D sub-mesh, in both collective modes."""
-        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
+        world_mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
+        )
         dp_mesh = init_device_mesh(device_type.type, (self.world_size,))
 
         def check_model(model):
@@ -168,7 +187,9 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
             dp_mesh, ShardPlacementResult(Shard(1), mesh_info_2d), check_model
         )
         ref_states = self._train_both_modes(
-            dp_mesh, ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]), check_model
+            dp_mesh,
+            ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
+            check_model,
         )
         self._assert_states_equal(states[0], ref_states[0])
 
@@ -176,7 +197,9 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         """Tests that expert params that are already ``Shard(0)`` DTensors on the
         "ep" dim get FSDP's ``Shard(1)`` on the "efsdp" dim of the same mesh and
         that both collective modes train them to the same bits."""
-        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
+        world_mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
+        )
 
         def check_model(model):
             self.assertEqual(model.experts.w.device_mesh, world_mesh)
@@ -208,7 +231,9 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
         on a module with experts on another mesh use the comm for both param
         groups, each with its own process group, and that with
         ``DeterministicReduceScatter`` both collective modes give the same bits."""
-        world_mesh = init_device_mesh(device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep"))
+        world_mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
+        )
         all_gathers: list[_GroupSizeRecordingAllGather] = []
 
         def set_comms(model):
@@ -245,11 +270,17 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
         with self.assertRaisesRegex(ValueError, "exactly one of mesh and mesh_info"):
             ShardPlacementResult(Shard(0))
         with self.assertRaisesRegex(ValueError, "exactly one of mesh and mesh_info"):
-            ShardPlacementResult(Shard(0), FSDPMeshInfo(mesh, shard_mesh_dim=0), mesh=mesh)
-        mesh_3d = init_device_mesh(device_type.type, (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+            ShardPlacementResult(
+                Shard(0), FSDPMeshInfo(mesh, shard_mesh_dim=0), mesh=mesh
+            )
+        mesh_3d = init_device_mesh(
+            device_type.type, (1, 2, 2), mesh_dim_names=("a", "b", "c")
+        )
         with self.assertRaisesRegex(ValueError, "1D mesh .* or a 2D mesh"):
             ShardPlacementResult(Shard(0), mesh=mesh_3d)
-        with self.assertRaisesRegex(TypeError, "mesh to be a DeviceMesh but got 'cpu' of type str"):
+        with self.assertRaisesRegex(
+            TypeError, "mesh to be a DeviceMesh but got 'cpu' of type str"
+        ):
             ShardPlacementResult(Shard(0), mesh="cpu")
 
     def test_rejects_mesh_without_this_rank(self):
@@ -259,7 +290,9 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
         if self.rank < 2:
             ShardPlacementResult(Shard(0), mesh=half_mesh)
         else:
-            with self.assertRaisesRegex(ValueError, f"mesh without this rank \\({self.rank}\\)"):
+            with self.assertRaisesRegex(
+                ValueError, f"mesh without this rank \\({self.rank}\\)"
+            ):
                 ShardPlacementResult(Shard(0), mesh=half_mesh)
 
     def test_rejects_mesh_of_other_device_type(self):
@@ -294,13 +327,22 @@ class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
     def test_rejects_disagreeing_mesh_infos_on_one_mesh(self):
         """Tests that two mesh infos on the same mesh that are not equal (here:
         one names SPMD mesh dims) fail instead of silently picking one."""
-        mesh = init_device_mesh(device_type.type, (self.world_size,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(
+            device_type.type, (self.world_size,), mesh_dim_names=("dp",)
+        )
         plain = FSDPMeshInfo(mesh, shard_mesh_dim=0)
         spmd = FSDPMeshInfo(
-            mesh, shard_mesh_dim=0, dp_mesh_dims=DataParallelMeshDims(shard="dp"), spmd_mesh=mesh
+            mesh,
+            shard_mesh_dim=0,
+            dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+            spmd_mesh=mesh,
         )
         with self.assertRaisesRegex(ValueError, "same mesh must use equal mesh info"):
-            self._shard(lambda p: ShardPlacementResult(Shard(0), spmd if _is_expert(p) else plain))
+            self._shard(
+                lambda p: ShardPlacementResult(
+                    Shard(0), spmd if _is_expert(p) else plain
+                )
+            )
 
 
 if __name__ == "__main__":
