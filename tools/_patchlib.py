@@ -392,26 +392,22 @@ def format_keeping_pristine(text: str, pristine: str | None, path: str) -> str:
     return formatted if proc.returncode != 0 else proc.stdout
 
 
-def lint_errors(ws: Path) -> list[str]:
-    """Every file that ``base..HEAD`` of ``ws`` touches, checked with PyTorch's
+def lint_files(files: dict[str, tuple[str, str | None]]) -> list[str]:
+    """Each ``path -> (text, pristine text or None)`` checked with PyTorch's
     ruff settings: a lint finding, or a line ``ruff format`` would change, that
     the pristine file does not have."""
     errors = []
-    paths = git(ws, "diff", "--name-only", "--diff-filter=AM", BASE_TAG, "HEAD").stdout.split()
-    for path in (p for p in paths if p.endswith(".py")):
-        text = git(ws, "show", f"HEAD:{path}").stdout
-        pristine_proc = git(ws, "show", f"{BASE_TAG}:{path}", check=False)
-        pristine = pristine_proc.stdout if pristine_proc.returncode == 0 else ""
-        new_findings = _lint_findings(text, path) - _lint_findings(pristine, path)
-        new_format = _format_changes(text, path) - _format_changes(pristine, path)
+    for path, (text, pristine) in sorted(files.items()):
+        new_findings = _lint_findings(text, path) - _lint_findings(pristine or "", path)
+        new_format = _format_changes(text, path) - _format_changes(pristine or "", path)
         if new_findings:
             errors.append(
                 f"{path}: lint findings the pristine file does not have: {sorted(new_findings)}"
             )
         if new_format:
             errors.append(
-                f"{path}: ruff format would change {sum(new_format.values())} "
-                f"line(s) the patches add, e.g. {next(iter(new_format))!r}"
+                f"{path}: ruff format would change {sum(new_format.values())} line(s) the "
+                f"patches add, e.g. {next(iter(new_format))!r}"
             )
     if errors:
         errors.append(
@@ -419,6 +415,28 @@ def lint_errors(ws: Path) -> list[str]:
             f"{PYTORCH_RUFF.relative_to(REPO)})"
         )
     return errors
+
+
+def lint_errors(ws: Path) -> list[str]:
+    """:func:`lint_files` over every file that ``base..HEAD`` of ``ws`` touches."""
+    files = {}
+    paths = git(ws, "diff", "--name-only", "--diff-filter=AM", BASE_TAG, "HEAD").stdout.split()
+    for path in (p for p in paths if p.endswith(".py")):
+        pristine = git(ws, "show", f"{BASE_TAG}:{path}", check=False)
+        files[path] = (
+            git(ws, "show", f"HEAD:{path}").stdout,
+            pristine.stdout if pristine.returncode == 0 else None,
+        )
+    return lint_files(files)
+
+
+def project_form(text: str) -> str:
+    """The project form of an upstream-path test (``vendor.rewrite_test`` undone)."""
+    for old, new in reversed(vendor.TEST_REWRITES):
+        text = text.replace(new, old)
+    if vendor.rewrite_test(text) == text:
+        raise vendor.VendorError("a test imports neither torch_fsdp_ext nor upstream FSDP2")
+    return text
 
 
 def patch_subjects(pdir: Path) -> list[str]:

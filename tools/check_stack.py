@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Check that every patch of the series passes its tests at its position in the stack.
+"""Check that every patch of the series passes its tests and PyTorch's lint at its position.
 
 For each prefix 0001..k of the installed torch's series (or --base/--torch),
 this applies the prefix to the pristine base files, generates a throwaway copy
 of ``_fully_shard`` from them (the package's own rewrites), and runs the
 upstream-path tests that exist at that position (their form in the series,
 imports rewritten back to the package) against it, as the upstream PR's CI
-would after each commit. A stand-in ``torch_fsdp_ext`` exports only the
+would after each commit, and checks the files touched so far with PyTorch's
+ruff settings (as ``check_patches.py`` does for the whole series). A stand-in ``torch_fsdp_ext`` exports only the
 generated ``_fully_shard``, since the package's own extras need the whole
 series. Exits 0 only if every position passes; names the first patch whose
 tests fail otherwise.
@@ -25,7 +26,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _patchlib import REPO, add_base_arguments, log, resolve_target, setup_logging, vendor
+from _patchlib import (
+    REPO,
+    add_base_arguments,
+    lint_files,
+    log,
+    project_form,
+    resolve_target,
+    setup_logging,
+    vendor,
+)
 
 TEST_DIR = Path(vendor.UPSTREAM_TEST_DIR)
 # The stand-in package: what the generated copy imports besides itself
@@ -37,18 +47,12 @@ from ._fully_shard import __all__  # noqa: F401
 STAND_IN_MODULES = ("_upstream_types.py",)
 
 
-def project_form(text: str) -> str:
-    """The project form of an upstream-path test (``vendor.rewrite_test`` undone)."""
-    for old, new in reversed(vendor.TEST_REWRITES):
-        text = text.replace(new, old)
-    if vendor.rewrite_test(text) == text:
-        raise vendor.VendorError("a test imports neither torch_fsdp_ext nor upstream FSDP2")
-    return text
-
-
-def lay_out(root: Path, pdir: Path, position: int, tmp: Path) -> list[Path]:
+def lay_out(
+    root: Path, pdir: Path, position: int, tmp: Path
+) -> tuple[list[Path], dict[str, tuple[str, str | None]]]:
     """Writes the stand-in package and the tests at ``position`` under ``tmp``;
-    returns the test files."""
+    returns the test files, and every file the prefix touches in its upstream
+    form with its pristine text (``None`` for a new file)."""
     prefix = tmp / "patches" / pdir.name
     prefix.mkdir(parents=True)
     shutil.copyfile(pdir / "base.toml", prefix / "base.toml")
@@ -61,25 +65,38 @@ def lay_out(root: Path, pdir: Path, position: int, tmp: Path) -> list[Path]:
     package = tmp / "site" / vendor.PACKAGE
     (package / vendor.VENDORED_NAME).mkdir(parents=True)
     version = vendor.read_base(pdir).torch_version
+    touched: dict[str, tuple[str, str | None]] = {}
     for path in sorted((work / vendor.UPSTREAM_DIR).glob("*.py")):
-        text = vendor.rewrite(path.name, path.read_text(), version)
+        pristine = root.parent / vendor.UPSTREAM_DIR / path.name
+        upstream = path.read_text()
+        if not pristine.exists() or pristine.read_text() != upstream:
+            touched[f"{vendor.UPSTREAM_DIR}/{path.name}"] = (
+                upstream,
+                pristine.read_text() if pristine.exists() else None,
+            )
+        text = vendor.rewrite(path.name, upstream, version)
         (package / vendor.VENDORED_NAME / path.name).write_text(text)
     (package / "__init__.py").write_text(STAND_IN_INIT)
     for name in STAND_IN_MODULES:
         shutil.copyfile(REPO / vendor.PACKAGE / name, package / name)
     tests = []
     for path in sorted((work / TEST_DIR).glob("test_*.py")):
+        touched[str(TEST_DIR / path.name)] = (path.read_text(), None)
         dest = tmp / "tests" / path.name
         dest.parent.mkdir(exist_ok=True)
         dest.write_text(project_form(path.read_text()))
         tests.append(dest)
-    return tests
+    return tests, touched
 
 
 def run_position(root: Path, pdir: Path, position: int, pytest_args: list[str]) -> bool:
     patch = vendor.read_series(pdir)[position - 1]
     with tempfile.TemporaryDirectory(prefix="check_stack-") as tmp:
-        tests = lay_out(root, pdir, position, Path(tmp))
+        tests, touched = lay_out(root, pdir, position, Path(tmp))
+        # Each PR of the stack must pass upstream's lint on its own
+        if lint := lint_files(touched):
+            log.error("%s: %s", patch.name, "\n".join(lint))
+            return False
         if not tests:
             log.info("%s: no upstream-path tests yet", patch.name)
             return True

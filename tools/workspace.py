@@ -36,6 +36,7 @@ from _patchlib import (
     git,
     init_base_repo,
     log,
+    project_form,
     resolve_target,
     setup_logging,
     upstream_test_files,
@@ -98,11 +99,8 @@ def format_series(ws: Path) -> None:
     )
     # The project form of the formatted tests (imports from torch_fsdp_ext)
     for path in sorted((ws / vendor.UPSTREAM_TEST_DIR).glob("test_*.py")):
-        text = path.read_text()
-        for old, new in reversed(vendor.TEST_REWRITES):
-            text = text.replace(new, old)
         if (UPSTREAM_TESTS / path.name).exists():
-            (UPSTREAM_TESTS / path.name).write_text(text)
+            (UPSTREAM_TESTS / path.name).write_text(project_form(path.read_text()))
     log.info("formatted base..HEAD in %s and test/upstream/; export next", ws)
 
 

@@ -18,15 +18,17 @@ from torch_fsdp_ext import fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_backend import (
     FSDPBackend,
-    _get_comm_capabilities,
     get_fsdp_backend,
     register_fsdp_backend,
     unregister_fsdp_backend,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    _get_comm_capabilities,
+    _get_gradient_divide_factors,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
-    _get_gradient_divide_factors,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 
@@ -249,13 +251,25 @@ class _FakeGroup:
 
 
 class TestFullyShardBackendCapabilities(TestCase):
+    def test_registration_overrides_capabilities(self):
+        """Tests that a registration for the device type overrides exactly the
+        capabilities it sets, whatever the process group reports."""
+        meta = torch.device("meta")
+        with _registered(
+            "meta", FSDPBackend(supports_coalescing=False, supports_avg=False)
+        ):
+            caps = _get_comm_capabilities(_FakeGroup(2, _NCCL), meta)
+        self.assertEqual(tuple(caps), (False, False, True))
+        with _registered("meta", FSDPBackend(supports_premul_sum=True)):
+            caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
+        self.assertEqual(tuple(caps), (False, True, True))
+
     def test_capabilities_follow_the_process_group(self):
         """Tests that coalescing and ``PREMUL_SUM`` come from the process
         group's c10d backend for the device, not from its name (NCCL, XCCL
         and an out-of-tree backend have ``PREMUL_SUM``, gloo's c10d backend
         neither it nor coalescing, a group without a backend for the device
-        reports none), the same on any device type, and that a registration
-        for the device type overrides exactly the capabilities it sets."""
+        reports none), the same on any device type."""
         meta = torch.device("meta")
         for backend, expected in (
             (_NCCL, (True, True, True)),
@@ -266,14 +280,6 @@ class TestFullyShardBackendCapabilities(TestCase):
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
             self.assertEqual(tuple(caps), expected, msg=backend and backend.name())
-        with _registered(
-            "meta", FSDPBackend(supports_coalescing=False, supports_avg=False)
-        ):
-            caps = _get_comm_capabilities(_FakeGroup(2, _NCCL), meta)
-        self.assertEqual(tuple(caps), (False, False, True))
-        with _registered("meta", FSDPBackend(supports_premul_sum=True)):
-            caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
-        self.assertEqual(tuple(caps), (False, True, True))
 
     def test_divide_factor_follows_the_process_group(self):
         """Tests that a divide factor reduces with ``PREMUL_SUM`` on NCCL, XCCL
@@ -479,34 +485,6 @@ class TestFullyShardBackendDefaults(TestCase):
         model(torch.randn(4, 8, device=device_type)).sum().backward()
         self.assertEqual(calls, [4])
 
-    def test_one_foreach_call_per_group_and_collective(self):
-        """Tests that per parameter each group's comms get one ``foreach`` call
-        per all-gather and per reduce-scatter, with a pair per parameter, and
-        that the default ``foreach`` calls ``__call__`` once per pair; grouped,
-        the reduce-scatter gets one pair (the flat buffer)."""
-        for group_collectives in (False, True):
-            torch.manual_seed(42)
-            model = nn.Sequential(MLP(8), MLP(8))
-            comms = []
-            for mlp in model:
-                fully_shard(mlp, group_collectives=group_collectives)
-                comms.append((ForeachAllGather(), ForeachReduceScatter()))
-                mlp.set_custom_all_gather(comms[-1][0])
-                mlp.set_custom_reduce_scatter(comms[-1][1])
-            fully_shard(model, group_collectives=group_collectives)
-            model(torch.randn(4, 8, device=device_type)).sum().backward()
-            for all_gather, reduce_scatter in comms:
-                if group_collectives:
-                    # upstream's grouped all-gather calls the comm directly
-                    self.assertEqual(all_gather.foreach_pairs, [])
-                    self.assertEqual(reduce_scatter.foreach_pairs, [1])
-                else:
-                    # forward, and backward after resharding; 4 parameters
-                    self.assertEqual(all_gather.foreach_pairs, [4, 4])
-                    self.assertEqual(all_gather.calls, 8)
-                    self.assertEqual(reduce_scatter.foreach_pairs, [4])
-                    self.assertEqual(len(reduce_scatter.input_data_ptrs), 4)
-
     def test_default_comms_coalesce_in_foreach_where_supported(self):
         """Tests that the default comms' ``foreach`` issues one coalesced c10d
         op per group where the process group supports coalescing (here by
@@ -534,6 +512,34 @@ class TestFullyShardBackendDefaults(TestCase):
                 "reduce_scatter_tensor_coalesced_": 1,
             },
         )
+
+    def test_one_foreach_call_per_group_and_collective(self):
+        """Tests that per parameter each group's comms get one ``foreach`` call
+        per all-gather and per reduce-scatter, with a pair per parameter, and
+        that the default ``foreach`` calls ``__call__`` once per pair; grouped,
+        the reduce-scatter gets one pair (the flat buffer)."""
+        for group_collectives in (False, True):
+            torch.manual_seed(42)
+            model = nn.Sequential(MLP(8), MLP(8))
+            comms = []
+            for mlp in model:
+                fully_shard(mlp, group_collectives=group_collectives)
+                comms.append((ForeachAllGather(), ForeachReduceScatter()))
+                mlp.set_custom_all_gather(comms[-1][0])
+                mlp.set_custom_reduce_scatter(comms[-1][1])
+            fully_shard(model, group_collectives=group_collectives)
+            model(torch.randn(4, 8, device=device_type)).sum().backward()
+            for all_gather, reduce_scatter in comms:
+                if group_collectives:
+                    # upstream's grouped all-gather calls the comm directly
+                    self.assertEqual(all_gather.foreach_pairs, [])
+                    self.assertEqual(reduce_scatter.foreach_pairs, [1])
+                else:
+                    # forward, and backward after resharding; 4 parameters
+                    self.assertEqual(all_gather.foreach_pairs, [4, 4])
+                    self.assertEqual(all_gather.calls, 8)
+                    self.assertEqual(reduce_scatter.foreach_pairs, [4])
+                    self.assertEqual(len(reduce_scatter.input_data_ptrs), 4)
 
 
 if __name__ == "__main__":

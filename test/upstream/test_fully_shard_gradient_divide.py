@@ -20,19 +20,26 @@ class TestFullyShardSingleRankReduceScatter(FSDPTestMultiThread):
     def test_gradient_divide_factor_applied_once(self):
         """Tests that on a 1-rank mesh, where FSDP skips the reduce-scatter, a
         gradient divide factor divides the gradient exactly once, also when
-        the pre/post divides apply it (force-sum), in both collective modes."""
+        the pre/post divides apply it (force-sum)."""
         self.run_subtests(
-            {"group_collectives": [True, False], "force_sum": [True, False]},
+            {"force_sum": [True, False]},
+            self._test_gradient_divide_factor_applied_once,
+        )
+
+    def test_gradient_divide_factor_applied_once_per_param(self):
+        """Tests the same with ``group_collectives=False``."""
+        self.run_subtests(
+            {"force_sum": [True, False], "group_collectives": [False]},
             self._test_gradient_divide_factor_applied_once,
         )
 
     def _test_gradient_divide_factor_applied_once(
-        self, group_collectives: bool, force_sum: bool
+        self, force_sum: bool, **fully_shard_kwargs
     ):
         torch.manual_seed(42)
         ref = nn.Linear(8, 8, device=device_type)
         model = copy.deepcopy(ref)
-        fully_shard(model, group_collectives=group_collectives)
+        fully_shard(model, **fully_shard_kwargs)
         model.set_gradient_divide_factor(4.0)
         model.set_force_sum_reduction_for_comms(force_sum)
         inp = torch.randn(2, 8, device=device_type)
