@@ -36,10 +36,10 @@ echo "== installing torch==$base, requirements.txt and torch_fsdp_ext (editable)
 # would refuse a newer base; the base is pinned exactly here, so lift it
 PIP_CONSTRAINT=/dev/null $py -m pip install -q "torch==$base" -r requirements.txt
 $py -m pip install -q --no-build-isolation --no-deps -e .
-echo "== tools/check_patches.py (torch $base)"
-$py tools/check_patches.py
-echo "== tools/check_stack.py: each patch's upstream-path tests at its position (torch $base)"
-$py tools/check_stack.py
+echo "== tools/patches.py check (torch $base)"
+$py tools/patches.py check
+echo "== tools/patches.py stack: each patch's upstream-path tests at its position (torch $base)"
+$py tools/patches.py stack
 echo "== ruff"
 $py -m ruff check .
 $py -m ruff format --check .

@@ -17,7 +17,7 @@ and glibc's own tcache and fastbin checks do the detecting.
 
 Example::
 
-    python tools/stress.py -n 50 --load 1 -- test/test_fully_shard_moe.py -k W4
+    python tools/stress.py -n 50 --load 1 -- test/package/test_moe.py -k W4
 """
 
 from __future__ import annotations

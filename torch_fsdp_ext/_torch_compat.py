@@ -6,7 +6,17 @@ torch recognises FSDP2 in three ways. ``isinstance(..., FSDPModule)``
 are bridged here, each through the smallest hook torch offers. Last, each
 ``fully_shard`` is made to refuse a model that the other already shards in
 part. All are private torch helpers (no public API exists for any); drop each
-bridge once the upstream change named in its comment lands.
+bridge once the upstream change named in its comment lands. Nothing here
+depends on the environment; the hooks, and the tests that fail if one stops
+working:
+
+- ``torch._dynamo.trace_rules.add``: :func:`_register_with_dynamo`
+  (``test/package/test_interop_compile.py``, graph breaks equal to upstream's);
+- ``torch.distributed.fsdp.fully_shard.state``: :func:`_register_with_pipelining`
+  (``test/package/test_interop_pipelining_memtracker.py``, ``REDUCE_GRAD``);
+- ``_fsdp_init._get_managed_modules`` of both ``fully_shard`` and
+  ``torch.distributed._composable_state._get_module_state``:
+  :func:`_forbid_mixing_with_upstream` (``test/package/test_mixing.py``).
 """
 
 import functools

@@ -37,9 +37,6 @@ VENDORED_NAME = "_fully_shard"
 # The vendored copy registers its custom ops (upstream's ``fsdp::*``) here.
 OPS_NAMESPACE = "fsdp_ext"
 STAMP_NAME = "VENDORED.json"
-# Set to 1 on a machine whose torch is no base, to run a copy generated and
-# carried from one that is (the GPU lane; see ``_carried_base``)
-CARRIED_ENV = "TORCH_FSDP_EXT_CARRIED"
 # patches/bases.toml names the primary base; each base is patches/<version>/.
 BASES_FILE = "bases.toml"
 
@@ -154,6 +151,19 @@ REWRITES: tuple[Rewrite, ...] = (
         '    raise ValueError(f"Invalid shard_placement_fn result: {result}")\n',
         1,
         "torchtitan-style code returns torch's own ShardPlacementResult",
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        '    torch._C._log_api_usage_once("torch.distributed.fsdp.fully_shard")\n',
+        '    torch._C._log_api_usage_once("torch.distributed.fsdp.fully_shard")\n'
+        f"    from {PACKAGE}._upstream_types import from_upstream_fully_shard_args\n\n"
+        "    mp_policy, offload_policy, dp_mesh_dims = from_upstream_fully_shard_args(\n"
+        "        mp_policy, offload_policy, dp_mesh_dims\n"
+        "    )\n",
+        1,
+        "torch's own CPUOffloadPolicy would fail the copy's isinstance checks and "
+        "silently not offload; its MixedPrecisionPolicy and DataParallelMeshDims "
+        "become ours too",
     ),
 )
 
@@ -330,7 +340,7 @@ def apply_series(root: Path, pdir: Path, workdir: Path) -> None:
             raise VendorError(
                 f"{patch.name} does not apply to the pristine base files:\n"
                 f"{proc.stderr.strip()}\n"
-                "Fix: rebuild the series with tools/workspace.py (see CONTRIBUTING.md)"
+                "Fix: rebuild the series with tools/patches.py workspace (see CONTRIBUTING.md)"
             )
 
 
@@ -474,16 +484,13 @@ def ensure_vendored() -> None:
     base, or whose files no longer match the sha256 in its stamp, is never
     silently replaced: the error names the command to run.
     """
-    if os.environ.get(CARRIED_ENV) == "1":
-        _ensure_carried()
-        return
     root, pdir = installed_series()
     check_upstream(root, read_base(pdir))
     # A wheel built without torch, or an editable install, generates at first
     # import; such a copy is not in pip's RECORD, so reinstalling never replaces
     # it: outside a source checkout the fix is to remove it
     fix = (
-        "Fix: python tools/vendor.py"
+        "Fix: python tools/patches.py vendor"
         if patches_root() != PACKAGE_DIR / "_patches"
         else f"Fix: remove {VENDORED_DIR} (the next import generates it again)"
     )
@@ -505,10 +512,10 @@ def ensure_vendored() -> None:
                 "pip install --no-build-isolation ."
             ) from e
         return
-    _check_stamp(read_stamp(VENDORED_DIR), pdir, installed_release(), fix)
+    check_stamp(read_stamp(VENDORED_DIR), pdir, installed_release(), fix)
 
 
-def _check_stamp(stamp: dict | None, pdir: Path, torch_version: str, fix: str) -> None:
+def check_stamp(stamp: dict | None, pdir: Path, torch_version: str, fix: str) -> None:
     """Refuse a copy without a stamp, from another series than ``pdir`` (for
     ``torch_version``), or edited after generation."""
     if stamp is None:
@@ -528,19 +535,3 @@ def _check_stamp(stamp: dict | None, pdir: Path, torch_version: str, fix: str) -
             f"the generated {VENDORED_DIR} was changed after generation: {damaged} "
             f"missing, edited or unexpected (it is derived and never edited by hand). {fix}"
         )
-
-
-def _ensure_carried() -> None:
-    """``CARRIED_ENV=1``: the copy was generated on another machine, for the
-    torch its stamp names; it is checked against that torch's series instead
-    of the installed torch, whose missing internals ``_carried_base`` supplies."""
-    stamp = read_stamp(VENDORED_DIR)
-    fix = (
-        f"Fix: generate it where torch {primary_version()} is installed "
-        f"(python tools/vendor.py) and carry {VENDORED_DIR.name}/ along, or unset {CARRIED_ENV}"
-    )
-    version = (stamp or {}).get("torch_version", primary_version())
-    _check_stamp(stamp, patches_dir(version), version, fix)
-    from . import _carried_base
-
-    _carried_base.install()

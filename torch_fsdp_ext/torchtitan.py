@@ -36,7 +36,7 @@ Only code that calls ``apply_fsdp_to_decoder`` or
 import ``fully_shard`` themselves keep torch's.
 
 The second half of this module runs torchtitan's debug models on CPU ranks
-(gloo) for ``test/test_torchtitan.py`` and ``tools/torchtitan_demo.py``; see
+(gloo) for ``test/package/test_torchtitan.py`` and ``tools/demos/torchtitan_moe.py``; see
 :func:`apply_cpu_shims` and :class:`DebugRun`.
 """
 
@@ -238,8 +238,8 @@ def fsdp_ext(
 
 
 # ---------------------------------------------------------------------------
-# torchtitan's debug models on CPU ranks (gloo), for test/test_torchtitan.py and
-# tools/torchtitan_demo.py. Nothing below is needed on GPUs.
+# torchtitan's debug models on CPU ranks (gloo), for test/package/test_torchtitan.py and
+# tools/demos/torchtitan_moe.py. Nothing below is needed on GPUs.
 # ---------------------------------------------------------------------------
 
 

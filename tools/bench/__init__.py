@@ -23,14 +23,14 @@ Metrics per mode: median, quartiles and min/max of the step time (forward,
 backward, AdamW step, zero_grad; the max over ranks of each step), also as a
 ratio to upstream; FSDP-side copy bytes counted by dispatch (bytes written by
 copy ops issued from FSDP's own code); peak bytes allocated in forward and in
-backward (the exact profiler method of test/test_fully_shard_per_param_memory.py
+backward (the exact profiler method of test/package/test_per_param_memory.py
 on CPU, CUDA memory stats on GPU); number and bytes of collectives.
 
-Models: two Llama-like transformers (tools/demo.py's, scaled to CPU), the
+Models: two Llama-like transformers (torch_fsdp_ext/_testing/models.py's, scaled to CPU), the
 residual MLP stack of the memory test, a group of many small parameters
 (64 of 64x64), a group of few large ones (2 of 2048x2048), a sweep of one
 group of n params at a fixed total size, and the MoE transformer of
-tools/moe_demo.py (at its default sizes) with expert parallelism on a 2-D
+tools/demos/moe.py (at its default sizes) with expert parallelism on a 2-D
 (efsdp, ep=2) mesh. For the MoE model, upstream shards each block's experts
 (Shard(1) on efsdp) and then the block apart; the other modes shard each
 block once, expert parameters on the efsdp mesh. It runs where ep divides the

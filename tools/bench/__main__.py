@@ -1,5 +1,5 @@
-"""Entry point of ``python tools/bench``: puts ``tools/`` on ``sys.path`` (for
-the ``bench`` package and ``tools/demo.py``) and runs :func:`bench.cli.main`."""
+"""Entry point of ``python tools/bench``: makes this folder importable as the
+``bench`` package (its ranks import it too) and runs :func:`bench.cli.main`."""
 
 import sys
 from pathlib import Path

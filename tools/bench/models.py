@@ -3,8 +3,7 @@ stack, chains of equal square parameters (and the sweep of them), the MoE
 transformer. A :class:`ModelSpec` builds one from seed 42, sharded with a mode
 on its mesh, and gives its input and loss.
 
-``Transformer`` comes from ``tools/demo.py``: ``tools/`` is on ``sys.path``
-(``bench/__main__.py`` puts it there).
+``Transformer`` comes from ``torch_fsdp_ext/_testing/models.py``.
 """
 
 from __future__ import annotations
@@ -14,12 +13,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from demo import Transformer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torch_fsdp_ext._testing import moe
 from torch_fsdp_ext._testing.memory import LossFn, sum_loss
-from torch_fsdp_ext._testing.models import Model
+from torch_fsdp_ext._testing.models import Model, Transformer
 
 from .modes import Mode, shard, shard_moe
 
@@ -117,7 +115,7 @@ def _llama(name: str, vocab: int, dim: int, heads: int, layers: int, batch: int,
         name,
         "llama",
         dict(vocab=vocab, dim=dim, heads=heads, layers=layers, batch=batch, seq=seq),
-        f"transformer (tools/demo.py): vocab {vocab}, dim {dim}, {heads} heads, "
+        f"transformer (torch_fsdp_ext/_testing/models.py): vocab {vocab}, dim {dim}, {heads} heads, "
         f"{layers} blocks, batch {batch}x{seq} tokens; fully_shard per block + root",
     )
 
@@ -141,7 +139,7 @@ MODELS = {
             "mlp",
             dict(dim=256, hidden=1024, blocks=3, batch=4),
             "residual MLP stack of torch_fsdp_ext/_testing/models.py (dim 256, hidden 1024, "
-            "3 blocks, batch 4; the model of test/test_fully_shard_per_param_memory.py): "
+            "3 blocks, batch 4; the model of test/package/test_per_param_memory.py): "
             "parameters outweigh activations; fully_shard per block + root",
         ),
         _chain("many-small", num_params=64, dim=64, batch=32),
@@ -150,7 +148,7 @@ MODELS = {
             "moe",
             "moe",
             dict(vocab=64, dim=32, heads=4, layers=2, experts=4, top_k=2, ep=2, batch=2, seq=16),
-            "MoE transformer of torch_fsdp_ext/_testing/moe.py at tools/moe_demo.py's sizes: "
+            "MoE transformer of torch_fsdp_ext/_testing/moe.py at tools/demos/moe.py's sizes: "
             "vocab 64, dim 32, 4 heads, 2 blocks of 4 routed experts (top 2) + a shared "
             "expert, batch 2x16 tokens; experts Shard(0) on ep 2 and Shard(1) on efsdp W/2, the "
             "rest on all ranks; upstream: fully_shard(experts) + fully_shard(block) + root, the "

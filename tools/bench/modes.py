@@ -17,8 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import torch_fsdp_ext
-from torch_fsdp_ext._testing import moe
-from torch_fsdp_ext._vendor import CARRIED_ENV
+from torch_fsdp_ext._testing import CARRIED_ENV, moe
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ SWEEP_MODES = ["grouped", "per-param", "per-param-nocoalesce"]
 
 def model_modes() -> list[str]:
     """The modes a model runs in: all, less ``upstream`` for a copy carried onto
-    another torch (``torch_fsdp_ext/_carried_base.py``), whose own FSDP2 is
+    another torch (``tools/carried/``), whose own FSDP2 is
     not the copy's base."""
     carried = os.environ.get(CARRIED_ENV) == "1"
     return [m.name for m in MODES if not (carried and m.upstream)]

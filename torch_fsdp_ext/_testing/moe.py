@@ -1,6 +1,6 @@
 """A tiny DeepSeek-V3-like MoE transformer with expert parallelism, sharded
-three ways with FSDP2; shared by ``tools/moe_demo.py``, ``tools/bench/`` and
-``test/test_fully_shard_moe.py``.
+three ways with FSDP2; shared by ``tools/demos/moe.py``, ``tools/bench/`` and
+``test/package/test_moe.py``.
 
 Layout, as torchtitan builds it: a world mesh with dims ``("efsdp", "ep")``.
 Routed experts are 3-D grouped parameters, DTensors ``Shard(0)`` on the "ep"

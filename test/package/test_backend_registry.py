@@ -1,0 +1,225 @@
+"""The FSDP backend registry end to end: capability-aware reductions on gloo,
+unregistering restores upstream bit for bit, entry-point discovery, and the
+TorchTPU-style worked example in ``examples/fsdp_backend_tpu``."""
+
+import contextlib
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from common_fsdp_ext import (
+    EXT,
+    UPSTREAM,
+    FSDPExtTestMultiProcess,
+    Model,
+    ParityConfig,
+    ParityMixin,
+    on_fsdp_modules,
+    registered_fsdp_backend,
+    train_in_lockstep,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+import torch_fsdp_ext
+from torch_fsdp_ext import DeterministicReduceScatter
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "fsdp_backend_tpu"
+sys.path.insert(0, str(EXAMPLE))
+
+import fsdp_backend_example_tpu  # noqa: E402
+
+
+@pytest.mark.slow
+class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
+    def test_divide_factor_on_gloo_equals_force_sum(self):
+        """Tests that ``set_gradient_divide_factor`` works on CPU/gloo, which
+        rejects PREMUL_SUM, and gives the bits of
+        ``set_force_sum_reduction_for_comms(True)``, in both modes."""
+        for group_collectives in (True, False):
+            config = ParityConfig(
+                fsdp_kwargs=lambda impl, gc=group_collectives: {"group_collectives": gc},
+                after_shard=on_fsdp_modules(lambda m: m.set_gradient_divide_factor(3.0)),
+            )
+            self.check_parity(
+                config,
+                (EXT, {}),
+                (EXT, {}),
+                variant_after_shard=on_fsdp_modules(
+                    lambda m: m.set_force_sum_reduction_for_comms(True)
+                ),
+            )
+
+    def test_unregister_restores_upstream_bitwise(self):
+        """Tests that after a backend was registered, used and unregistered,
+        ``torch_fsdp_ext.fully_shard`` trains bitwise like upstream again."""
+        backend = torch_fsdp_ext.FSDPBackend(
+            group_collectives=False,
+            reduce_scatter_comm=fsdp_backend_example_tpu.TPUReduceScatter,
+        )
+        with registered_fsdp_backend("cpu", backend):
+            model = torch_fsdp_ext.fully_shard(torch.nn.Linear(8, 8))
+            model(torch.randn(2, 8)).sum().backward()
+            self.assertFalse(model._get_fsdp_state()._fsdp_param_groups[0].group_collectives)
+        self.assertIsNone(torch_fsdp_ext.get_fsdp_backend("cpu"))
+        self.check_parity(ParityConfig(), (EXT, {}), (UPSTREAM, {}))
+
+
+class _Recording:
+    """Records a comm's calls and what it was handed; keeps every allocation
+    (so that no two share an address)."""
+
+    def __init__(self):
+        self.foreach_pairs: list[int] = []
+        self.calls = 0
+        self.allocated: list[torch.Tensor] = []
+        self.not_allocated: list[torch.Size] = []
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(super().allocate(size, dtype=dtype, device=device))
+        return self.allocated[-1]
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+class _RecordingTPUAllGather(_Recording, fsdp_backend_example_tpu.TPUAllGather):
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        _record_not_allocated(self, output_tensors)
+        return super().foreach(output_tensors, input_tensors, group, async_op)
+
+
+class _RecordingTPUReduceScatter(_Recording, fsdp_backend_example_tpu.TPUReduceScatter):
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        self.foreach_pairs.append(len(output_tensors))
+        _record_not_allocated(self, output_tensors + input_tensors)
+        return super().foreach(output_tensors, input_tensors, group, op, async_op)
+
+
+def _record_not_allocated(comm, tensors: list[torch.Tensor]) -> None:
+    """Records each of ``tensors`` that lies in no buffer from ``comm.allocate``."""
+    ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in comm.allocated]
+    for tensor in tensors:
+        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+        if not any(lo <= start and end <= hi for lo, hi in ranges):
+            comm.not_allocated.append(tensor.size())
+
+
+class _TPUExampleParity(ParityMixin):
+    """Trains a model sharded with the example backend registered for
+    ``"cpu"`` (a stand-in device) against one sharded per parameter with
+    FSDP's default comms, in lockstep, bitwise, and checks what the example's
+    comms were handed."""
+
+    num_steps = 3
+
+    def _check_example_against_default(self, ref_after_shard=lambda model: None) -> None:
+        torch.manual_seed(42)
+        base = Model(16, 32).to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        backend = torch_fsdp_ext.FSDPBackend(
+            group_collectives=False,
+            all_gather_comm=_RecordingTPUAllGather,
+            reduce_scatter_comm=_RecordingTPUReduceScatter,
+            supports_premul_sum=True,
+        )
+        models = []
+        for registered in (True, False):
+            model = copy.deepcopy(base)
+            with (
+                registered_fsdp_backend("cpu", backend) if registered else contextlib.nullcontext()
+            ):
+                for module in (*model.blocks, model):
+                    torch_fsdp_ext.fully_shard(module, mesh=mesh, group_collectives=False)
+            models.append(model)
+        ref_after_shard(models[1])
+        gen = torch.Generator()
+
+        def make_input(step: int) -> torch.Tensor:
+            gen.manual_seed(42 + self.rank + 1000 * step)
+            return torch.randn(4, 16, generator=gen)
+
+        train_in_lockstep(self, models[0], models[1], make_input, num_steps=self.num_steps)
+        # Each group's comms got one ``foreach`` per all-gather and per
+        # reduce-scatter, with a pair per parameter, no per-tensor call, and
+        # only tensors from their own ``allocate``
+        for module in (*models[0].blocks, models[0]):
+            (group,) = module._get_fsdp_state()._fsdp_param_groups
+            num_params = len(group.fsdp_params)
+            ag, rs = group._all_gather_comm, group._reduce_scatter_comm
+            # Forward, and again in backward unless the root (no reshard)
+            ag_per_step = 1 if group._module_fqn == "" else 2
+            self.assertEqual(ag.foreach_pairs, [num_params] * ag_per_step * self.num_steps)
+            self.assertEqual(rs.foreach_pairs, [num_params] * self.num_steps)
+            self.assertEqual((ag.calls, rs.calls), (0, 0))
+            self.assertEqual((ag.not_allocated, rs.not_allocated), ([], []))
+
+
+@pytest.mark.slow
+class TestFullyShardBackendExample(_TPUExampleParity, FSDPExtTestMultiProcess):
+    def test_one_fused_call_per_group_bitwise_default_comms(self):
+        """Tests that with the worked TorchTPU example registered (stand-in
+        device ``"cpu"``, world size 2, gloo) plain ``fully_shard`` trains
+        bitwise like per-parameter FSDP with its default comms, while each
+        parameter group's comm gets one ``foreach`` call per all-gather and
+        per reduce-scatter (one c10d collective each) and provides every
+        buffer from its ``allocate``."""
+        self._check_example_against_default()
+
+
+@pytest.mark.slow
+class TestFullyShardBackendExampleW4(_TPUExampleParity, FSDPExtTestMultiProcess):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_bitwise_deterministic_reduce_scatter_at_world_size_4(self):
+        """Tests that at world size 4, where gloo's own sums depend on message
+        size, the example's fused reduce-scatter (rank-order sum) trains
+        bitwise like per-parameter FSDP with ``DeterministicReduceScatter``."""
+        self._check_example_against_default(
+            on_fsdp_modules(lambda m: m.set_custom_reduce_scatter(DeterministicReduceScatter()))
+        )
+
+
+class TestFullyShardBackendEntryPoints(TestCase):
+    def test_entry_point_registers_tpu_backend(self):
+        """Tests that installing the example distribution makes FSDP find the
+        ``"tpu"`` backend through the ``torch_fsdp_ext.backends`` entry point,
+        in a process where PrivateUse1 is renamed ``"tpu"`` (as torch_tpu does)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            # Build from a copy: setuptools writes egg-info next to the sources
+            source, target = Path(tmp) / "src", Path(tmp) / "site"
+            shutil.copytree(EXAMPLE, source)
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+            subprocess.run(
+                [*pip, "--no-build-isolation", "--target", str(target), str(source)],
+                check=True,
+                capture_output=True,
+            )
+            script = (
+                "import torch\n"
+                "torch.utils.rename_privateuse1_backend('tpu')\n"
+                "import torch_fsdp_ext\n"
+                "backend = torch_fsdp_ext.get_fsdp_backend('tpu')\n"
+                "print(backend.group_collectives, backend.reduce_scatter_comm.__name__)\n"
+            )
+            env = {**os.environ, "PYTHONPATH": str(target)}
+            proc = subprocess.run(
+                [sys.executable, "-c", script], env=env, capture_output=True, text=True
+            )
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stdout.strip(), "False TPUReduceScatter")
+
+
+if __name__ == "__main__":
+    run_tests()
