@@ -64,6 +64,7 @@ from torch.utils._pytree import tree_map_only
 from torchtitan.distributed import ParallelDims
 
 import torch_fsdp_ext
+from torch_fsdp_ext._testing.moe import FeedForward
 from torch_fsdp_ext.torchtitan import DebugRun, FSDPExtSettings, debug_config
 
 try:
@@ -163,17 +164,6 @@ class Attention(nn.Module):
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
