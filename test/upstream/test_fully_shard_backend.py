@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import gc
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from torch_fsdp_ext._fully_shard._fsdp_backend import (
     unregister_fsdp_backend,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    _comm_capabilities_cache,
+    _foreach_coalesced,
     _get_comm_capabilities,
     _get_gradient_divide_factors,
 )
@@ -242,15 +245,63 @@ class _FakeGroup:
         self._size = size
         self._backend = backend
         self._device_types = [] if backend is None else [torch.device("meta")]
+        self.backend_queries = 0
 
     def size(self) -> int:
         return self._size
 
     def _get_backend(self, device: torch.device) -> _C10dBackend:
+        self.backend_queries += 1
         return self._backend
 
 
 class TestFullyShardBackendCapabilities(TestCase):
+    def test_capabilities_asked_once_per_group_and_device_type(self):
+        """Tests that a process group's c10d backend is asked once per device
+        type however often FSDP asks (per-parameter collectives ask at every
+        collective), that another group is asked anew, and that the cached
+        entry goes with its group."""
+        meta, cpu = torch.device("meta"), torch.device("cpu")
+        group, other = _FakeGroup(2, _NCCL), _FakeGroup(2, _TPU)
+        num_entries = len(_comm_capabilities_cache)
+        for _ in range(3):
+            self.assertEqual(
+                tuple(_get_comm_capabilities(group, meta)), (True, True, True)
+            )
+            self.assertEqual(
+                tuple(_get_comm_capabilities(group, cpu)), (False, True, False)
+            )
+        self.assertEqual(group.backend_queries, 1)
+        self.assertEqual(
+            tuple(_get_comm_capabilities(other, meta)), (False, True, True)
+        )
+        self.assertEqual(other.backend_queries, 1)
+        self.assertEqual(len(_comm_capabilities_cache), num_entries + 2)
+        del group, other
+        gc.collect()
+        self.assertEqual(len(_comm_capabilities_cache), num_entries)
+
+    def test_mixed_dtypes_go_one_by_one(self):
+        """Tests that pairs of one dtype go out as one coalesced op where the
+        process group coalesces, and pairs of several dtypes one by one (gloo's
+        coalesced all-gather is wrong for some dtype mixes)."""
+        group = _FakeGroup(2, _NCCL)
+        for dtypes, expected in (
+            ((torch.float32, torch.float32), ["coalesced"]),
+            ((torch.bfloat16, torch.float32), ["call", "call"]),
+        ):
+            calls = []
+            inputs = [torch.empty(2, dtype=dtype, device="meta") for dtype in dtypes]
+            _foreach_coalesced(
+                lambda output, input: calls.append("call"),
+                lambda: calls.append("coalesced"),
+                [torch.empty_like(t) for t in inputs],
+                inputs,
+                group,
+                async_op=True,
+            )
+            self.assertEqual(calls, expected, msg=str(dtypes))
+
     def test_registration_overrides_capabilities(self):
         """Tests that a registration for the device type overrides exactly the
         capabilities it sets, whatever the process group reports."""
@@ -262,20 +313,41 @@ class TestFullyShardBackendCapabilities(TestCase):
         self.assertEqual(tuple(caps), (False, False, True))
         with _registered("meta", FSDPBackend(supports_premul_sum=True)):
             caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
-        self.assertEqual(tuple(caps), (False, True, True))
+        self.assertEqual(tuple(caps), (True, True, True))
+
+    def test_registration_applies_to_a_group_already_asked(self):
+        """Tests that registering, re-registering and unregistering a
+        backend for the device type change the capabilities of a process
+        group that FSDP has already asked about (only what the process group
+        reports is cached)."""
+        meta = torch.device("meta")
+        group = _FakeGroup(2, _NCCL)
+        self.assertEqual(tuple(_get_comm_capabilities(group, meta)), (True, True, True))
+        with _registered("meta", FSDPBackend(supports_coalescing=False)):
+            self.assertEqual(
+                tuple(_get_comm_capabilities(group, meta)), (False, True, True)
+            )
+            register_fsdp_backend(
+                "meta", FSDPBackend(supports_premul_sum=False), override=True
+            )
+            self.assertEqual(
+                tuple(_get_comm_capabilities(group, meta)), (True, True, False)
+            )
+        self.assertEqual(tuple(_get_comm_capabilities(group, meta)), (True, True, True))
+        self.assertEqual(group.backend_queries, 1)
 
     def test_capabilities_follow_the_process_group(self):
         """Tests that coalescing and ``PREMUL_SUM`` come from the process
         group's c10d backend for the device, not from its name (NCCL, XCCL
         and an out-of-tree backend have ``PREMUL_SUM``, gloo's c10d backend
-        neither it nor coalescing, a group without a backend for the device
-        reports none), the same on any device type."""
+        coalesces but has no ``PREMUL_SUM``, a group without a backend for the
+        device reports none), the same on any device type."""
         meta = torch.device("meta")
         for backend, expected in (
             (_NCCL, (True, True, True)),
             (_XCCL, (True, True, True)),
             (_TPU, (False, True, True)),
-            (_GLOO, (False, True, False)),
+            (_GLOO, (True, True, False)),
             (None, (False, True, False)),
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)

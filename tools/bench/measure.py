@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch_fsdp_ext._testing.comm_recorder import CommRecorder
 from torch_fsdp_ext._testing.memory import LossFn, profile_step, step_peak_bytes
 
+from .fsdp_time import TIMER
 from .models import ModelSpec
 from .modes import MODES_BY_NAME, Mode, coalescing
 
@@ -135,6 +136,7 @@ def bench_model(
 ) -> dict[str, Any]:
     """Trains ``spec``'s model sharded in each of ``mode_names`` and returns its
     JSON entry: step times, collectives and copies, and with ``memory`` peaks."""
+    TIMER.install()
     mesh = spec.mesh(device.type, cfg.world_size)
     loss_fn = spec.loss_fn
     inp = spec.make_input(rank, device)
@@ -161,7 +163,8 @@ def bench_model(
         for mode in modes:
             with coalescing(mode, device.type):
                 _train_step(models[mode.name], optims[mode.name], inp, loss_fn)
-    times = torch.zeros(len(modes), cfg.steps, dtype=torch.float64)
+    # Per mode and step: step time, FSDP's own time and process-group time
+    times = torch.zeros(3, len(modes), cfg.steps, dtype=torch.float64)
     for step in range(cfg.steps):
         for k in range(len(modes)):
             i = (step + k) % len(modes)
@@ -169,11 +172,17 @@ def bench_model(
             dist.barrier()
             _sync(device)
             with coalescing(mode, device.type):
-                start = time.perf_counter()
+                start, fsdp_start, pg_start = time.perf_counter(), TIMER.fsdp_s(), TIMER.pg_s
                 _train_step(models[mode.name], optims[mode.name], inp, loss_fn)
                 _sync(device)
-                times[i, step] = time.perf_counter() - start
-    # A step takes as long as its slowest rank
+                times[:, i, step] = torch.tensor(
+                    [
+                        time.perf_counter() - start,
+                        TIMER.fsdp_s() - fsdp_start,
+                        TIMER.pg_s - pg_start,
+                    ]
+                )
+    # A step takes as long as its slowest rank (and so for each part)
     times = times.to(device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     times = times.cpu()
@@ -190,7 +199,12 @@ def bench_model(
                 f"{coll['tensors']} tensors, not one per tensor: the FSDP backend "
                 f"registered for {device.type!r} with supports_coalescing=False did not apply"
             )
-        result["modes"][mode.name] = {"step_time_s": _stats(times[i].tolist()), **summary}
+        result["modes"][mode.name] = {
+            "step_time_s": _stats(times[0, i].tolist()),
+            "fsdp_time_s": _stats(times[1, i].tolist()),
+            "pg_time_s": _stats(times[2, i].tolist()),
+            **summary,
+        }
     if cfg.profile_dir is not None:
         for mode in modes:
             _profile(spec, mode, models[mode.name], optims[mode.name], inp, cfg, rank)
