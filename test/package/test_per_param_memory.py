@@ -20,7 +20,7 @@ from torch.testing._internal.common_utils import (
 )
 
 from torch_fsdp_ext._testing.comm_recorder import CommRecorder
-from torch_fsdp_ext._testing.memory import step_peak_bytes
+from torch_fsdp_ext._testing.memory import StepPeaks, step_peak_bytes
 
 WORLD_SIZE = FakeProcessGroupTestCase.world_size
 FP32_BYTES = 4
@@ -52,7 +52,7 @@ def _build(group_collectives: bool, *, per_block: bool, **kwargs) -> nn.Module:
 
 
 class TestFullyShardPerParamMemory(FakeProcessGroupTestCase):
-    def _peaks(self, group_collectives: bool, *, per_block: bool) -> tuple[int, int]:
+    def _peaks(self, group_collectives: bool, *, per_block: bool) -> StepPeaks:
         model = _build(group_collectives, per_block=per_block)
         return step_peak_bytes(model, torch.randn(BATCH, DIM, device=DEVICE_TYPE))
 
@@ -76,8 +76,8 @@ class TestFullyShardPerParamMemory(FakeProcessGroupTestCase):
         reduce-scattered in place, for exactly as long: a tensor handed to a
         collective stays referenced until its work or event has been waited
         on, on every device."""
-        per_param_fwd, per_param_bwd = self._peaks(False, per_block=True)
-        grouped_fwd, grouped_bwd = self._peaks(True, per_block=True)
+        per_param_fwd, per_param_bwd, _ = self._peaks(False, per_block=True)
+        grouped_fwd, grouped_bwd, _ = self._peaks(True, per_block=True)
         self.assertLessEqual(per_param_fwd, grouped_fwd)
         self.assertLessEqual(per_param_bwd, grouped_bwd)
 
@@ -93,8 +93,8 @@ class TestFullyShardPerParamMemory(FakeProcessGroupTestCase):
         the outputs (1 / world size of the input) sit next to them."""
         input_bytes = reduce_scatter_input_bytes(Model(DIM, HIDDEN, NUM_BLOCKS))
         output_bytes = input_bytes // WORLD_SIZE
-        _, per_param_bwd = self._peaks(False, per_block=False)
-        _, grouped_bwd = self._peaks(True, per_block=False)
+        per_param_bwd = self._peaks(False, per_block=False).backward
+        grouped_bwd = self._peaks(True, per_block=False).backward
         self.assertLessEqual(
             per_param_bwd,
             grouped_bwd - 0.9 * (input_bytes - output_bytes),
@@ -123,7 +123,7 @@ class TestFullyShardPerParamMemoryMixedPrecision(FakeProcessGroupTestCase):
         copy_bytes, bwd_peaks = {}, {}
         for group_collectives in (False, True):
             model = _build(group_collectives, per_block=per_block, mp_policy=mp_policy)
-            _, bwd_peaks[group_collectives] = step_peak_bytes(model, inp)
+            bwd_peaks[group_collectives] = step_peak_bytes(model, inp).backward
             with CommRecorder() as recorder:
                 model(inp).sum().backward()
             copy_bytes[group_collectives] = recorder.summary()["copy_bytes"]

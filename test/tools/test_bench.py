@@ -20,8 +20,12 @@ MODE_KEYS = {
     "step_time_s",
     "time_ratio_to_upstream",
     "time_ratio_to_grouped",
+    "fsdp_time_s",
+    "pg_time_s",
+    "fsdp_ratio_to_grouped",
     "fwd_peak_bytes",
     "bwd_peak_bytes",
+    "reduce_peak_bytes",
     "copy_bytes",
     "copy_ops",
     "backend_copy_bytes",
@@ -76,8 +80,8 @@ class TestBenchQuick(TestCase):
     def test_json_has_every_mode_and_metric(self):
         """Tests that the JSON holds a gloo and a fake run, each with every mode's
         metrics for every model, time ratios to upstream and grouped that match
-        the reported medians, the sweep on the fake process group, and the
-        issue's targets."""
+        the reported medians, FSDP's own time within each step, the sweep on the
+        fake process group, and the targets."""
         report = self._report()
         self.assertEqual(set(report), {"meta", "runs", "targets"})
         self.assertEqual({run["pg"] for run in report["runs"]}, {"gloo", "fake"})
@@ -103,6 +107,14 @@ class TestBenchQuick(TestCase):
                         self.assertLessEqual(median, stats["step_time_s"]["max"])
                         self.assertAlmostEqual(stats["time_ratio_to_upstream"], median / upstream)
                         self.assertAlmostEqual(stats["time_ratio_to_grouped"], median / grouped)
+                        # FSDP's own time is part of every step
+                        fsdp = stats["fsdp_time_s"]["median"]
+                        self.assertGreater(fsdp, 0)
+                        self.assertLessEqual(fsdp, median)
+                        self.assertAlmostEqual(
+                            stats["fsdp_ratio_to_grouped"],
+                            fsdp / entry["modes"]["grouped"]["fsdp_time_s"]["median"],
+                        )
         fake = next(run for run in report["runs"] if run["pg"] == "fake")
         self.assertEqual([e["config"]["num_params"] for e in fake["sweep"]], [4, 64, 256])
         self.assertTrue(report["targets"])
@@ -111,7 +123,7 @@ class TestBenchQuick(TestCase):
         """Tests that the fake run holds the MoE model with every mode and its peaks,
         that its per-parameter collectives carry the tensors of grouped's and more
         (experts and dense parameters each per tensor), coalesced or one op per
-        tensor, and that no target row is about it."""
+        tensor, and that its only target row is FSDP's own time."""
         report = self._report()
         fake = next(run for run in report["runs"] if run["pg"] == "fake")
         modes = next(e for e in fake["models"] if e["model"] == "moe")["modes"]
@@ -126,7 +138,10 @@ class TestBenchQuick(TestCase):
         self.assertGreater(coalesced["tensors"], grouped["tensors"])
         self.assertEqual(uncoalesced["ops"], uncoalesced["tensors"])
         self.assertEqual(coalesced["tensors"], uncoalesced["tensors"])
-        self.assertNotIn("moe", {t["model"] for t in report["targets"]})
+        self.assertEqual(
+            [t["target"] for t in report["targets"] if t["model"] == "moe"],
+            ["per-param / grouped FSDP time <= 1.0"],
+        )
 
     def test_per_param_copies_nothing_for_even_fp32_transformer(self):
         """Tests that per-parameter collectives write no FSDP-side copy bytes

@@ -286,11 +286,12 @@ class TestFullyShardBackendCapabilities(TestCase):
         process group coalesces, and pairs of several dtypes one by one (gloo's
         coalesced all-gather is wrong for some dtype mixes)."""
         group = _FakeGroup(2, _NCCL)
+        calls = []
         for dtypes, expected in (
             ((torch.float32, torch.float32), ["coalesced"]),
             ((torch.bfloat16, torch.float32), ["call", "call"]),
         ):
-            calls = []
+            calls.clear()
             inputs = [torch.empty(2, dtype=dtype, device="meta") for dtype in dtypes]
             _foreach_coalesced(
                 lambda output, input: calls.append("call"),

@@ -6,7 +6,7 @@ the same seed and trained in one run:
   upstream              torch.distributed.fsdp.fully_shard
   grouped               torch_fsdp_ext.fully_shard(..., group_collectives=True)
   per-param             torch_fsdp_ext.fully_shard(..., group_collectives=False),
-                        a group's collectives coalesced (dist._coalescing_manager)
+                        a group's collectives coalesced (one c10d op per group)
   per-param-nocoalesce  the same, one collective after another
   deterministic         per-param with DeterministicReduceScatter on every module
 
@@ -14,17 +14,20 @@ Coalescing is chosen through the public FSDP backend registry: around the
 steps of a per-parameter mode, the bench registers for the device type a copy
 of its FSDPBackend with supports_coalescing set to the mode's choice (False
 for per-param-nocoalesce, True otherwise), and restores the previous
-registration afterwards. On the fake process group this makes per-param and
-deterministic run the coalesced code path, and the same on gloo (the package
-itself coalesces only where the process group's backend reports
-supports_coalescing: NCCL, not gloo or "fake").
+registration afterwards. The package itself coalesces where the process
+group's backend reports supports_coalescing (NCCL) and on gloo; on the fake
+process group ("fake") only through such a registration.
 
 Metrics per mode: median, quartiles and min/max of the step time (forward,
 backward, AdamW step, zero_grad; the max over ranks of each step), also as a
-ratio to upstream; FSDP-side copy bytes counted by dispatch (bytes written by
-copy ops issued from FSDP's own code); peak bytes allocated in forward and in
-backward (the exact profiler method of test/package/test_per_param_memory.py
-on CPU, CUDA memory stats on GPU); number and bytes of collectives.
+ratio to upstream and to grouped; FSDP's own time in each step (the time
+inside FSDP2's hooks less the process group's calls and waits made from them:
+fsdp_time.py) and that process-group time; FSDP-side copy bytes counted by
+dispatch (bytes written by copy ops issued from FSDP's own code); peak bytes
+allocated in forward, in backward and inside FSDP's gradient reductions (the
+exact profiler method of test/package/test_per_param_memory.py on CPU, CUDA
+memory stats on GPU, where the reduction peak is not measured); number and
+bytes of collectives.
 
 Models: two Llama-like transformers (torch_fsdp_ext/_testing/models.py's, scaled to CPU), the
 residual MLP stack of the memory test, a group of many small parameters
@@ -37,8 +40,9 @@ block once, expert parameters on the efsdp mesh. It runs where ep divides the
 world size into at least two efsdp ranks.
 
 Process groups: gloo (one process per rank), the fake process group (one
-process; collectives move no data, so it measures FSDP's own work: copies,
-allocations, Python and launch time) and NCCL on CUDA.
+process, W ranks simulated: its all-gather copies the input into every rank's
+chunk of the output and its reduce-scatter copies one chunk, per tensor, so
+its time is reported apart from FSDP's own) and NCCL on CUDA.
 
 Every rank runs one intra-op thread by default (--threads). Writes
 OUT/bench.json (or --json PATH), OUT/bench.md (also printed) and PNG plots

@@ -23,7 +23,7 @@ import torch.distributed.fsdp as upstream_fsdp
 import torch.nn as nn
 
 from torch_fsdp_ext._testing.comm_recorder import CommRecorder
-from torch_fsdp_ext._testing.memory import LossFn, profile_step, step_peak_bytes
+from torch_fsdp_ext._testing.memory import LossFn, StepPeaks, profile_step, step_peak_bytes
 
 from .fsdp_time import TIMER
 from .models import ModelSpec
@@ -89,7 +89,7 @@ def _quiet_profiler() -> Iterator[None]:
                     sys.stderr.write(line)
 
 
-def _step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
+def _step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> StepPeaks:
     # Only the CPU path profiles
     with _quiet_profiler() if inp.device.type == "cpu" else contextlib.nullcontext():
         return step_peak_bytes(model, inp, loss_fn)
@@ -213,8 +213,12 @@ def bench_model(
         for mode in modes:
             model = spec.build(mode, mesh, cfg.mp)
             with coalescing(mode, device.type):
-                fwd, bwd = _step_peak_bytes(model, inp, loss_fn)
-            result["modes"][mode.name].update(fwd_peak_bytes=fwd, bwd_peak_bytes=bwd)
+                peaks = _step_peak_bytes(model, inp, loss_fn)
+            result["modes"][mode.name].update(
+                fwd_peak_bytes=peaks.forward,
+                bwd_peak_bytes=peaks.backward,
+                reduce_peak_bytes=peaks.reduce,
+            )
             del model
     return result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -12,6 +13,21 @@ from torch._C._profiler import _EventType
 from torch.profiler import record_function
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+# The ``record_function`` label of a parameter group's gradient reduction
+# (the reduce-scatter copy-in of grouped mode, the collectives, the views)
+REDUCE_LABEL = "FSDP::post_backward_reduce"
+
+
+class StepPeaks(NamedTuple):
+    """Peak allocated bytes of a measured step above its start: in forward,
+    in backward, and inside FSDP's gradient reductions in backward
+    (``REDUCE_LABEL``; ``None`` where not measured: on CUDA, or with no
+    reduction)."""
+
+    forward: int
+    backward: int
+    reduce: int | None
 
 
 def walk_events(events) -> Iterator:
@@ -53,15 +69,15 @@ def profile_step(
     return prof
 
 
-def step_peak_bytes(
-    model: nn.Module, inp: torch.Tensor, loss_fn: LossFn = sum_loss
-) -> tuple[int, int]:
+def step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn = sum_loss) -> StepPeaks:
     """Runs a warm-up step (lazy init), then one measured forward
     (``loss_fn(model, inp)``) and backward, on ``inp``'s device.
 
-    Returns the peak allocated bytes during the measured forward and during
-    the measured backward, each counted from the allocated bytes at the start
-    of the measured step. On CUDA these come from the caching allocator's
+    Returns the peak allocated bytes during the measured forward, during the
+    measured backward and, on CPU, inside its gradient reductions, each
+    counted from the allocated bytes at the start of the measured step. The
+    reduction peak is where grouped mode's reduce-scatter buffer lives next to
+    the unsharded gradients. On CUDA the first two come from the caching allocator's
     peak statistics, reset before each phase and read after a device
     synchronize, so work still queued on FSDP's streams counts. On CPU both
     steps run under one profiler: the CPU allocator
@@ -84,13 +100,24 @@ def step_peak_bytes(
     _, first_size, first_total = next(a for a in allocations if a[0] >= fwd_start)
     baseline = first_total - first_size
 
-    def peak(start: int, end: int) -> int:
-        return max(total for t, _, total in allocations if start <= t <= end) - baseline
+    def peak(start: int, end: int) -> int | None:
+        totals = [total for t, _, total in allocations if start <= t <= end]
+        return max(totals) - baseline if totals else None
 
-    return peak(fwd_start, fwd_end), peak(bwd_start, bwd_end)
+    reduce_peaks = [
+        peak(e.start_time_ns, e.end_time_ns)
+        for e in events
+        if e.name.startswith(REDUCE_LABEL) and bwd_start <= e.start_time_ns <= bwd_end
+    ]
+    reduce_peaks = [p for p in reduce_peaks if p is not None]
+    return StepPeaks(
+        peak(fwd_start, fwd_end),
+        peak(bwd_start, bwd_end),
+        max(reduce_peaks) if reduce_peaks else None,
+    )
 
 
-def _cuda_step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
+def _cuda_step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> StepPeaks:
     device = inp.device
     loss_fn(model, inp).backward()  # lazy init
     for param in model.parameters():
@@ -108,4 +135,4 @@ def _cuda_step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) 
     del loss
     for param in model.parameters():
         param.grad = None
-    return fwd, bwd
+    return StepPeaks(fwd, bwd, None)
