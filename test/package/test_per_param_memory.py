@@ -100,6 +100,20 @@ class TestFullyShardPerParamMemory(FakeProcessGroupTestCase):
             grouped_bwd - 0.9 * (input_bytes - output_bytes),
         )
 
+    def test_reduction_peak_drops_reduce_scatter_copy_in_per_block(self):
+        """Tests that with one group per block, where the backward peak comes
+        before any reduction and is equal in both modes, the peak inside
+        FSDP's gradient reductions (``StepPeaks.reduce``) drops by at least
+        90% of a block's ``chunk_cat`` buffer less its reduce-scatter output,
+        for the reason of the test above (CPU only: the profiler scopes it)."""
+        if DEVICE_TYPE != "cpu":
+            self.skipTest("the reduction peak is measured on CPU only")
+        input_bytes = reduce_scatter_input_bytes(Model(DIM, HIDDEN, 1).blocks[0])
+        output_bytes = input_bytes // WORLD_SIZE
+        per_param = self._peaks(False, per_block=True).reduce
+        grouped = self._peaks(True, per_block=True).reduce
+        self.assertLessEqual(per_param, grouped - 0.9 * (input_bytes - output_bytes))
+
 
 class TestFullyShardPerParamMemoryMixedPrecision(FakeProcessGroupTestCase):
     """bf16 parameters whose gradients are reduced in fp32: every gradient
