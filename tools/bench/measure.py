@@ -23,7 +23,13 @@ import torch.distributed.fsdp as upstream_fsdp
 import torch.nn as nn
 
 from torch_fsdp_ext._testing.comm_recorder import CommRecorder
-from torch_fsdp_ext._testing.memory import LossFn, StepPeaks, profile_step, step_peak_bytes
+from torch_fsdp_ext._testing.memory import (
+    REDUCE_LABEL,
+    LossFn,
+    StepPeaks,
+    profile_step,
+    step_peak_bytes,
+)
 
 from .fsdp_time import TIMER
 from .models import ModelSpec
@@ -230,12 +236,14 @@ def _peak_sites(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> list[st
 
     with _quiet_profiler():
         prof = profile_step(model, inp, loss_fn)
-    spans, allocations = {}, []
+    spans, allocations, reduce_starts = {}, [], []
     stack = [(e, ()) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         event, path = stack.pop()
         stack.extend((child, (*path, event.name)) for child in event.children)
         spans[event.name] = (event.start_time_ns, event.end_time_ns)
+        if event.name.startswith(REDUCE_LABEL):
+            reduce_starts.append(event.start_time_ns)
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
             allocations.append(
@@ -244,10 +252,12 @@ def _peak_sites(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> list[st
     allocations.sort(key=lambda a: a[0])
     first = next(a for a in allocations if a[0] >= spans["measured_forward"][0])
     baseline = first[2] - first[1]
+    bwd_start, bwd_end = spans["measured_backward"]
+    reductions = [start for start in reduce_starts if bwd_start <= start <= bwd_end]
     sites = []
     for phase in ("forward", "backward"):
         start, end = spans[f"measured_{phase}"]
-        _, size, total, path = max(
+        at, size, total, path = max(
             (a for a in allocations if start <= a[0] <= end), key=lambda a: a[2]
         )
         label = f"measured_{phase}"
@@ -255,9 +265,14 @@ def _peak_sites(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> list[st
             where = " > ".join(path[path.index(label) + 1 :][-5:]) or label
         else:  # e.g. in a backend's own thread (gloo runs collectives in its threads)
             where = "another thread: " + (" > ".join(path[-5:]) or "no op")
+        when = ""
+        if phase == "backward":
+            when = f", {(at - start) / 1e6:.1f} ms into a {(end - start) / 1e6:.1f} ms backward"
+            if reductions:
+                when += f" (first gradient reduction at {(min(reductions) - start) / 1e6:.1f} ms)"
         sites.append(
             f"{phase} peak: {(total - baseline) / MiB:.3f} MiB above the step's start, "
-            f"reached allocating {size / MiB:.3f} MiB in {where}"
+            f"reached allocating {size / MiB:.3f} MiB in {where}{when}"
         )
     return sites
 
