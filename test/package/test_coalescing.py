@@ -1,14 +1,17 @@
 """``group_collectives=False``: whether a group's per-parameter collectives go
-out as one coalesced c10d op or one op per parameter. gloo coalesces by
-default (it implements the coalesced all-gather and reduce-scatter, though it
-does not report ``supports_coalescing``); an FSDP backend registered with
-``supports_coalescing=False`` turns it off. Coalesced and one by one must give
-the same bits, and a group of several dtypes must go one by one (gloo's
-coalesced all-gather writes wrong values for some dtype mixes).
+out as one coalesced c10d op or one op per parameter, and that custom comms
+are honored either way. gloo goes one by one by default (it does not report
+``supports_coalescing``, and its coalesced ops copy every tensor of the op into
+one temporary, which costs memory); an FSDP backend registered with
+``supports_coalescing=True`` opts in. Coalesced and one by one must give the
+same bits, and a group of several dtypes must go one by one (gloo's coalesced
+all-gather writes wrong values for some dtype mixes).
 
 Multi-process on CPU; the c10d ops are recorded at dispatch, where a coalesced
 op list reaches the backend as a single op.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -22,8 +25,10 @@ from common_fsdp_ext import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.common_utils import run_tests
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fsdp_ext import FSDPBackend
+from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch_fsdp_ext._testing.comm_recorder import CommRecorder
 
 DEVICE = torch.device("cpu")
@@ -50,8 +55,8 @@ def _train(model: nn.Module, rank: int, steps: int) -> None:
         optim.zero_grad()
 
 
-def _one_by_one():
-    return registered_fsdp_backend(DEVICE.type, FSDPBackend(supports_coalescing=False))
+def _coalescing():
+    return registered_fsdp_backend(DEVICE.type, FSDPBackend(supports_coalescing=True))
 
 
 class TestFullyShardPerParamCoalescing(FSDPExtTestMultiProcess):
@@ -66,23 +71,23 @@ class TestFullyShardPerParamCoalescing(FSDPExtTestMultiProcess):
 
     def test_coalescing_follows_the_process_group(self):
         """Tests that with ``group_collectives=False`` each group's all-gathers
-        (forward and backward) and reduce-scatters are one
-        ``allgather_into_tensor_coalesced_`` / ``reduce_scatter_tensor_coalesced_``
-        per group on gloo, and one op per parameter with an FSDP backend
-        registered with ``supports_coalescing=False``, where grouped
+        (forward and backward) and reduce-scatters are one op per parameter on
+        gloo, and one ``allgather_into_tensor_coalesced_`` /
+        ``reduce_scatter_tensor_coalesced_`` per group with an FSDP backend
+        registered with ``supports_coalescing=True``, where grouped
         collectives issue one ``_allgather_base_`` and one
         ``_reduce_scatter_base_`` over each group's flat buffer either way.
 
         All runs share the processes (one spawn); every rank runs the steps,
         rank 0 checks the traces."""
-        coalesced = self._record_step(group_collectives=False)
+        per_param = self._record_step(group_collectives=False)
         grouped = self._record_step(group_collectives=True)
-        with _one_by_one():
-            per_param = self._record_step(group_collectives=False)
-            grouped_one_by_one = self._record_step(group_collectives=True)
+        with _coalescing():
+            coalesced = self._record_step(group_collectives=False)
+            grouped_coalescing = self._record_step(group_collectives=True)
         if self.rank != 0:
             return
-        self.assertEqual(grouped_one_by_one, grouped)
+        self.assertEqual(grouped_coalescing, grouped)
         # Forward: root (inp, out), blocks 0, 1; backward: all-gathers of
         # blocks 1, 0, then reduce-scatters of blocks 1, 0 and root. Numels:
         # shards for all-gathers, unsharded gradients for reduce-scatters
@@ -167,14 +172,14 @@ class TestFullyShardPerParamCoalescingBits(FSDPExtTestMultiProcess):
 
     def test_coalesced_matches_one_by_one_bitwise(self):
         """Tests that at 4 ranks, where gloo's sums may depend on message size,
-        per-parameter collectives coalesced (gloo's default) and one by one
+        per-parameter collectives coalesced and one by one (gloo's default)
         give bitwise equal parameters after three AdamW steps, padding
         included."""
-        coalesced = _build(group_collectives=False)
-        _train(coalesced, self.rank, 3)
-        with _one_by_one():
-            one_by_one = _build(group_collectives=False)
-            _train(one_by_one, self.rank, 3)
+        with _coalescing():
+            coalesced = _build(group_collectives=False)
+            _train(coalesced, self.rank, 3)
+        one_by_one = _build(group_collectives=False)
+        _train(one_by_one, self.rank, 3)
         assert_models_bitwise_equal(
             self, coalesced, one_by_one, "coalesced vs one by one", grads=False
         )
@@ -182,9 +187,9 @@ class TestFullyShardPerParamCoalescingBits(FSDPExtTestMultiProcess):
     def test_group_of_several_dtypes_gathers_exact_values(self):
         """Tests that a group holding bf16, fp32 and fp64 parameters (frozen,
         which FSDP allows without mixed precision) all-gathers each
-        parameter's exact values: such a group goes out one op per
-        parameter, as gloo's coalesced all-gather writes wrong values for
-        these mixes."""
+        parameter's exact values with coalescing on: such a group goes out one
+        op per parameter, as gloo's coalesced all-gather writes wrong values
+        for these mixes."""
         torch.manual_seed(42)
         model = nn.Sequential(
             nn.Linear(8, 8, dtype=torch.bfloat16),
@@ -195,11 +200,142 @@ class TestFullyShardPerParamCoalescingBits(FSDPExtTestMultiProcess):
         expected = [p.detach().clone() for p in model.parameters()]
         mesh = DeviceMesh.from_group(dist.group.WORLD, DEVICE.type)
         EXT.fully_shard(model, mesh=mesh, group_collectives=False)
-        with CommRecorder() as recorder:
+        with _coalescing(), CommRecorder() as recorder:
             model.unshard()
         self.assertNotIn("coalesced", " ".join(c.op for c in recorder.collectives))
         for param, full in zip(model.parameters(), expected, strict=True):
             self.assertTrue(torch.equal(param, full), msg=str(full.dtype))
+
+
+class _CallCountingAllGather(DefaultAllGather):
+    """Overrides ``__call__`` (counting, then the default's collective)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CallCountingReduceScatter(DefaultReduceScatter):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+class _ArenaMixin:
+    """Overrides ``allocate``: every tensor comes from one arena of its own."""
+
+    def __init__(self):
+        self.arena = torch.empty(1 << 16, device=DEVICE)
+        self.used = 0
+
+    def allocate(self, size, *, dtype, device):
+        numel = math.prod(size)
+        nbytes = numel * dtype.itemsize
+        self.used = -(-self.used // 16) * 16  # aligned
+        if self.used + nbytes > self.arena.nbytes:
+            raise AssertionError("the test's arena is too small")
+        out = self.arena.view(torch.uint8)[self.used : self.used + nbytes]
+        self.used += nbytes
+        return out.view(dtype).view(size)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        start = self.arena.data_ptr()
+        return start <= tensor.data_ptr() < start + self.arena.nbytes
+
+
+class _ArenaAllGather(_ArenaMixin, DefaultAllGather):
+    pass
+
+
+class _ArenaReduceScatter(_ArenaMixin, DefaultReduceScatter):
+    pass
+
+
+class _CollectiveTensors(TorchDispatchMode):
+    """The all-gather outputs and reduce-scatter inputs of c10d's ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._opname
+        if "allgather" in name:
+            self.tensors += args[0] if isinstance(args[0], list) else [args[0]]
+        elif "reduce_scatter" in name:
+            self.tensors += args[1] if isinstance(args[1], list) else [args[1]]
+        return func(*args, **(kwargs or {}))
+
+
+def _fsdp_modules(model: nn.Module) -> list:
+    return [m for m in model.modules() if isinstance(m, EXT.FSDPModule)]
+
+
+class TestFullyShardCustomCommsOnGloo(FSDPExtTestMultiProcess):
+    def test_custom_comms_are_honored_where_gloo_coalesces(self):
+        """Tests that with coalescing on, in both collective modes, a default
+        comm subclass that overrides ``__call__`` is called for every
+        collective (one call per parameter per-parameter), and one that
+        overrides ``allocate`` gets every all-gather output and reduce-scatter
+        input from its ``allocate``, never a parameter's or gradient's own
+        storage; either way training is bitwise the default comms'."""
+        with _coalescing():
+            reference = _build(group_collectives=False)
+            _train(reference, self.rank, 2)
+            for group_collectives in (False, True):
+                with self.subTest(group_collectives=group_collectives, comm="call"):
+                    model = _build(group_collectives)
+                    comms = [
+                        (_CallCountingAllGather(), _CallCountingReduceScatter())
+                        for _ in _fsdp_modules(model)
+                    ]
+                    for module, (all_gather, reduce_scatter) in zip(
+                        _fsdp_modules(model), comms, strict=True
+                    ):
+                        module.set_custom_all_gather(all_gather)
+                        module.set_custom_reduce_scatter(reduce_scatter)
+                    _train(model, self.rank, 2)
+                    assert_models_bitwise_equal(
+                        self, model, reference, "__call__ override", grads=False
+                    )
+                    for module, (all_gather, reduce_scatter) in zip(
+                        _fsdp_modules(model), comms, strict=True
+                    ):
+                        # Two steps; the root is gathered once per step, a
+                        # block twice (forward, backward); a reduce-scatter
+                        # each per step
+                        gathers = 2 if module is model else 4
+                        per_call = (
+                            1
+                            if group_collectives
+                            else len(list(module.parameters()))
+                            - sum(len(list(b.parameters())) for b in getattr(module, "blocks", []))
+                        )
+                        self.assertEqual(all_gather.calls, gathers * per_call)
+                        self.assertEqual(reduce_scatter.calls, 2 * per_call)
+                with self.subTest(group_collectives=group_collectives, comm="allocate"):
+                    model = _build(group_collectives)
+                    all_gather, reduce_scatter = _ArenaAllGather(), _ArenaReduceScatter()
+                    for module in _fsdp_modules(model):
+                        module.set_custom_all_gather(all_gather)
+                        module.set_custom_reduce_scatter(reduce_scatter)
+                    with _CollectiveTensors() as recorded:
+                        _train(model, self.rank, 2)
+                    assert_models_bitwise_equal(
+                        self, model, reference, "allocate override", grads=False
+                    )
+                    self.assertTrue(recorded.tensors)
+                    for tensor in recorded.tensors:
+                        self.assertTrue(
+                            all_gather.owns(tensor) or reduce_scatter.owns(tensor),
+                            msg=f"{tuple(tensor.shape)} not from the comm's allocate",
+                        )
 
 
 if __name__ == "__main__":

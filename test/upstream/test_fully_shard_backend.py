@@ -233,7 +233,8 @@ class _C10dBackend:
 _NCCL = _C10dBackend("nccl", supports_coalescing=True)
 _XCCL = _C10dBackend("xccl", supports_coalescing=True)
 _TPU = _C10dBackend("tpu_dist", supports_coalescing=False)
-# A real c10d gloo backend (one rank): FSDP tells gloo by its type
+# A real c10d gloo backend (one rank): FSDP tells gloo's lack of
+# ``PREMUL_SUM`` by its type; it does not report coalescing
 _GLOO = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
 
 
@@ -314,7 +315,10 @@ class TestFullyShardBackendCapabilities(TestCase):
         self.assertEqual(tuple(caps), (False, False, True))
         with _registered("meta", FSDPBackend(supports_premul_sum=True)):
             caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
-        self.assertEqual(tuple(caps), (True, True, True))
+        self.assertEqual(tuple(caps), (False, True, True))
+        with _registered("meta", FSDPBackend(supports_coalescing=True)):
+            caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
+        self.assertEqual(tuple(caps), (True, True, False))
 
     def test_registration_applies_to_a_group_already_asked(self):
         """Tests that registering, re-registering and unregistering a
@@ -340,15 +344,16 @@ class TestFullyShardBackendCapabilities(TestCase):
     def test_capabilities_follow_the_process_group(self):
         """Tests that coalescing and ``PREMUL_SUM`` come from the process
         group's c10d backend for the device, not from its name (NCCL, XCCL
-        and an out-of-tree backend have ``PREMUL_SUM``, gloo's c10d backend
-        coalesces but has no ``PREMUL_SUM``, a group without a backend for the
-        device reports none), the same on any device type."""
+        and an out-of-tree backend have ``PREMUL_SUM``; gloo's c10d backend has
+        no ``PREMUL_SUM`` and, not reporting ``supports_coalescing``, does not
+        coalesce; a group without a backend for the device reports none), the
+        same on any device type."""
         meta = torch.device("meta")
         for backend, expected in (
             (_NCCL, (True, True, True)),
             (_XCCL, (True, True, True)),
             (_TPU, (False, True, True)),
-            (_GLOO, (True, True, False)),
+            (_GLOO, (False, True, False)),
             (None, (False, True, False)),
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)

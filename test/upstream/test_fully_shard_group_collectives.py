@@ -21,6 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DeterministicReduceScatter,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
@@ -484,6 +488,113 @@ class _AllocatingAllGather(AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.output_data_ptrs.append(output_tensor.data_ptr())
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
+class _CoalescingGroup:
+    """A stand-in process group whose c10d backend on "meta" coalesces; it
+    records the coalesced ops it is asked for."""
+
+    _device_types = [torch.device("meta")]
+    supports_coalescing = True
+
+    def __init__(self):
+        self.coalesced_ops: list[str] = []
+
+    def size(self) -> int:
+        return 2
+
+    def _get_backend(self, device):
+        return self
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        self.coalesced_ops.append("all_gather")
+        return _DoneWork()
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        self.coalesced_ops.append("reduce_scatter")
+        return _DoneWork()
+
+
+class _DoneWork:
+    def wait(self) -> bool:
+        return True
+
+
+class _CallRecordingAllGather(DefaultAllGather):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+
+
+class _CallRecordingReduceScatter(DefaultReduceScatter):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+
+
+class _OwnMemoryAllGather(DefaultAllGather):
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryOptedInAllGather(_OwnMemoryAllGather):
+    accepts_parameter_output = True
+
+
+class _OwnMemory:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryReduceScatter(_OwnMemory, DefaultReduceScatter):
+    pass
+
+
+class TestFullyShardGroupCollectivesCustomComms(TestCase):
+    def test_fast_paths_hold_only_below_the_class_that_opts_in(self):
+        """Tests that the default comms' fast paths (coalescing through the
+        process group, FSDP's own tensors instead of ``allocate``'s) hold for
+        subclasses only while they do not override what the fast path skips:
+        ``__call__`` for coalescing, ``allocate`` for the tensors, unless the
+        subclass opts in again itself."""
+        for comm_cls, coalesces, accepts in (
+            (DefaultAllGather, True, True),
+            (DefaultReduceScatter, True, True),
+            (_CallRecordingAllGather, False, True),
+            (_CallRecordingReduceScatter, False, True),
+            (_OwnMemoryAllGather, True, False),
+            (_OwnMemoryOptedInAllGather, True, True),
+            (_OwnMemoryReduceScatter, True, False),
+        ):
+            with self.subTest(comm=comm_cls.__name__):
+                self.assertEqual(getattr(comm_cls, "_coalesces_call", False), coalesces)
+                self.assertEqual(
+                    getattr(comm_cls, "accepts_parameter_output", None)
+                    or getattr(comm_cls, "accepts_gradient_input", None)
+                    or False,
+                    accepts,
+                )
+
+    def test_overridden_call_runs_where_the_group_coalesces(self):
+        """Tests that on a process group that coalesces, the default comms'
+        ``foreach`` issues one coalesced op, and a subclass that overrides
+        ``__call__`` gets one call per pair instead, none coalesced."""
+        outputs = [torch.empty(4, device="meta") for _ in range(3)]
+        inputs = [torch.empty(2, device="meta") for _ in range(3)]
+        group = _CoalescingGroup()
+        DefaultAllGather().foreach(outputs, inputs, group)
+        DefaultReduceScatter().foreach(inputs, outputs, group, dist.ReduceOp.SUM)
+        self.assertEqual(group.coalesced_ops, ["all_gather", "reduce_scatter"])
+        all_gather = _CallRecordingAllGather()
+        reduce_scatter = _CallRecordingReduceScatter()
+        all_gather.foreach(outputs, inputs, group)
+        reduce_scatter.foreach(inputs, outputs, group, dist.ReduceOp.SUM)
+        self.assertEqual((all_gather.calls, reduce_scatter.calls), (3, 3))
+        self.assertEqual(group.coalesced_ops, ["all_gather", "reduce_scatter"])
 
 
 class TestFullyShardGroupCollectivesRuntimeSwitch(_ParityTestCase):

@@ -20,6 +20,8 @@ from torch_fsdp_ext import DataParallelMeshDims, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DeterministicReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
 )
 from torch_fsdp_ext._fully_shard._fsdp_common import (
     FSDPMeshInfo,
@@ -213,31 +215,39 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         )
 
 
-class _GroupSizeRecordingAllGather(AllGather):
+class _PerGroupBufferAllGather(AllGather):
+    """A stateful comm: it gathers into a staging buffer of its own per process
+    group, kept across calls and grown as needed, then copies out."""
+
     def __init__(self):
-        self.group_sizes: list[int] = []
+        self.buffers: dict[dist.ProcessGroup, torch.Tensor] = {}
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.group_sizes.append(group.size())
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+        buffer = self.buffers.get(group)
+        if buffer is None or buffer.numel() < output_tensor.numel():
+            buffer = self.buffers[group] = torch.empty_like(output_tensor)
+        staging = buffer[: output_tensor.numel()]
+        dist.all_gather_into_tensor(staging, input_tensor, group)
+        output_tensor.copy_(staging)
 
 
 class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
     def test_custom_comms_serve_every_mesh_group(self):
         """Tests that ``set_custom_all_gather`` and ``set_custom_reduce_scatter``
         on a module with experts on another mesh use the comm for both param
-        groups, each with its own process group, and that with
+        groups, each called with its own process group, so that a stateful
+        comm keeps a buffer per group, and that with it and
         ``DeterministicReduceScatter`` both collective modes give the same bits."""
         world_mesh = init_device_mesh(
             device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
         )
-        all_gathers: list[_GroupSizeRecordingAllGather] = []
+        all_gathers: list[_PerGroupBufferAllGather] = []
 
         def set_comms(model):
-            all_gathers.append(_GroupSizeRecordingAllGather())
+            all_gathers.append(_PerGroupBufferAllGather())
             reduce_scatter = DeterministicReduceScatter()
             model.set_custom_all_gather(all_gathers[-1])
             model.set_custom_reduce_scatter(reduce_scatter)
@@ -251,7 +261,36 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
             set_comms,
         )
         for all_gather in all_gathers:
-            self.assertEqual(set(all_gather.group_sizes), {4, 2})
+            self.assertEqual(
+                sorted(group.size() for group in all_gather.buffers), [2, 4]
+            )
+
+    def test_comm_bound_to_one_group_raises_on_another(self):
+        """Tests that a comm that allocates from the process group it was
+        built with cannot be set on a module with a param group on another
+        process group, and can where every param group uses it."""
+        world_mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
+        )
+        dp_mesh = init_device_mesh(device_type.type, (self.world_size,))
+        model = _MoEBlock(8)
+        fully_shard(
+            model,
+            mesh=dp_mesh,
+            shard_placement_fn=lambda p: (
+                ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"])
+                if _is_expert(p)
+                else None
+            ),
+        )
+        dp_group = dp_mesh.get_group()
+        with self.assertRaisesRegex(ValueError, "ProcessGroupAllocAllGather .*"):
+            model.set_custom_all_gather(ProcessGroupAllocAllGather(dp_group))
+        with self.assertRaisesRegex(ValueError, "ProcessGroupAllocReduceScatter"):
+            model.set_custom_reduce_scatter(ProcessGroupAllocReduceScatter(dp_group))
+        dense = fully_shard(nn.Linear(8, 8), mesh=dp_mesh)
+        dense.set_custom_all_gather(ProcessGroupAllocAllGather(dp_group))
+        dense.set_custom_reduce_scatter(ProcessGroupAllocReduceScatter(dp_group))
 
 
 class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
