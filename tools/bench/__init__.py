@@ -15,7 +15,7 @@ steps of a per-parameter mode, the bench registers for the device type a copy
 of its FSDPBackend with supports_coalescing set to the mode's choice (False
 for per-param-nocoalesce, True otherwise), and restores the previous
 registration afterwards. The package itself coalesces where the process
-group's backend reports supports_coalescing (NCCL) and on gloo; on the fake
+group's backend reports supports_coalescing (NCCL; not gloo); on gloo and the fake
 process group ("fake") only through such a registration.
 
 Metrics per mode: median, quartiles and min/max of the step time (forward,

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Backward peak of per-parameter collectives against grouped ones, on gloo.
+
+For each world size, mixed-precision setting and residual-MLP shape
+(``dim:hidden:blocks``, torch_fsdp_ext/_testing/models.py's ``Model``, one
+``fully_shard`` per block and the root), one gloo process per rank measures
+the peak bytes allocated in one backward (``step_peak_bytes``: the profiler's
+allocations, gloo's own threads included), ``--repeats`` times per mode,
+each from the same seed:
+
+  grouped      group_collectives=True
+  per-param    group_collectives=False, gloo's default (one by one)
+  coalesced    the same with FSDPBackend(supports_coalescing=True)
+
+gloo's worker threads drop a finished collective's tensors on their own
+schedule, so the same run differs from repeat to repeat. Each cell is the
+minimum and maximum on rank 0 over the repeats; "ok" means per-param's
+minimum is within grouped's own range (at most grouped's maximum).
+
+Example::
+
+    python tools/probes/gloo_backward_peaks.py --world-size 2 4 --mp fp32 bf16-fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
+
+import torch_fsdp_ext
+from torch_fsdp_ext._testing.memory import step_peak_bytes
+from torch_fsdp_ext._testing.models import Model
+
+MODES = {
+    # name: (group_collectives, supports_coalescing)
+    "grouped": (True, False),
+    "per-param": (False, False),
+    "coalesced": (False, True),
+}
+MP = {
+    "fp32": None,
+    "bf16-fp32": torch_fsdp_ext.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    ),
+}
+DEFAULT_SHAPES = ["16:64:8", "32:128:4", "64:256:4", "128:512:2", "512:2048:2", "1024:4096:2"]
+
+
+def _peak(shape: tuple[int, int, int], mp_name: str, mode: str, rank: int) -> int:
+    dim, hidden, blocks = shape
+    group_collectives, coalescing = MODES[mode]
+    torch_fsdp_ext.register_fsdp_backend(
+        "cpu", torch_fsdp_ext.FSDPBackend(supports_coalescing=coalescing), override=True
+    )
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        torch.manual_seed(42)
+        model = Model(dim, hidden, blocks)
+        kwargs = {"mesh": mesh, "group_collectives": group_collectives}
+        if MP[mp_name] is not None:
+            kwargs["mp_policy"] = MP[mp_name]
+        for block in model.blocks:
+            torch_fsdp_ext.fully_shard(block, **kwargs)
+        torch_fsdp_ext.fully_shard(model, **kwargs)
+        torch.manual_seed(42 + rank)
+        return step_peak_bytes(model, torch.randn(8, dim)).backward
+    finally:
+        torch_fsdp_ext.unregister_fsdp_backend("cpu")
+
+
+def _cell(peaks: list[int], grouped: int) -> str:
+    return f"{min(peaks):,} - {max(peaks):,} ({min(peaks) / grouped:.3f}x)"
+
+
+def _run(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    for mp_name in args.mp:
+        for text in args.shapes:
+            shape = tuple(int(x) for x in text.split(":"))
+            # Modes interleaved, so that a slow phase of the machine hits all
+            runs: dict[str, list[int]] = {mode: [] for mode in MODES}
+            for _ in range(args.repeats):
+                for mode in MODES:
+                    runs[mode].append(_peak(shape, mp_name, mode, rank))
+            if rank == 0:
+                cells = [_cell(runs[mode], min(runs["grouped"])) for mode in MODES]
+                ok = min(runs["per-param"]) <= max(runs["grouped"])
+                print(
+                    f"| {world_size} | {mp_name} | {text} | {' | '.join(cells)} | "
+                    f"{'ok' if ok else 'ABOVE'} |",
+                    flush=True,
+                )
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-size", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--mp", nargs="+", choices=sorted(MP), default=["fp32", "bf16-fp32"])
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, metavar="DIM:HIDDEN:BLOCKS")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(
+        "| W | mp | dim:hidden:blocks | grouped bwd peak, min - max (B) | "
+        "per-param (one by one) | coalesced (opt-in) | per-param min <= grouped max |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for world_size in args.world_size:
+        mp.spawn(_run, args=(world_size, _free_port(), args), nprocs=world_size)
+
+
+if __name__ == "__main__":
+    main()
