@@ -253,6 +253,20 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         proc = run(repo, "tools/patches.py", "check")
         self.assertFails(proc, "pip install torch==1.0.0")
 
+    def test_check_without_ruff_names_the_install(self):
+        """Tests that ``patches.py check`` on a Python without ruff fails with one
+        line naming the pip command that installs it, not a traceback."""
+        proc = run(
+            self.repo,
+            "-c",
+            "import runpy, sys; sys.modules['ruff'] = None; sys.path.insert(0, 'tools'); "
+            "sys.argv = ['tools/patches.py', 'check']; "
+            "runpy.run_path('tools/patches.py', run_name='__main__')",
+        )
+        self.assertFails(proc, "ruff is not installed for ")
+        self.assertIn("-m pip install -r requirements.txt", proc.stdout)
+        self.assertNotIn("Traceback", proc.stdout)
+
     def test_vendor_refuses_a_foreign_dest(self):
         """Tests that ``patches.py vendor --dest`` never replaces a non-empty directory it did not generate."""
         dest = self.tmp / "mine"

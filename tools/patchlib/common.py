@@ -346,6 +346,13 @@ def churn(ws: Path) -> dict[tuple[int, int], int]:
 
 
 def _ruff(*args: str, text: str, path: str) -> subprocess.CompletedProcess:
+    try:
+        import ruff  # noqa: F401
+    except ImportError:
+        raise vendor.VendorError(
+            f"ruff is not installed for {sys.executable}; install the pinned tools: "
+            f"{sys.executable} -m pip install -r requirements.txt"
+        ) from None
     return subprocess.run(
         [sys.executable, "-m", "ruff", *args, "--config", str(PYTORCH_RUFF)]
         + ["--no-cache", "--stdin-filename", path, "-"],
