@@ -24,6 +24,7 @@ from common_fsdp_ext import (
     assert_bitwise_equal,
     assert_model_matches_reference,
     assert_models_bitwise_equal,
+    registered_fsdp_backend,
     train_in_lockstep,
 )
 from torch.distributed.checkpoint.state_dict import (
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_utils import run_tests
 
+from torch_fsdp_ext import FSDPBackend
 from torch_fsdp_ext._testing import moe
 
 ARGS = moe.MoEArgs()
@@ -280,12 +282,13 @@ class TestFullyShardMoETrace(MoEMixin, FSDPExtTestMultiProcess):
         meshes = moe.build_meshes(DEVICE_TYPE, 2, 2)
         model = self.build(mode, meshes, deterministic=False)
         tokens = self.make_tokens(0)
-        # gloo and NCCL coalesce: a mesh group's per-parameter collectives
-        # read as one line of the trace
-        moe.loss_fn(model, tokens).backward()  # lazy init
-        trace = moe.FSDPCollectiveTrace(meshes)
-        with trace:
-            moe.loss_fn(model, tokens).backward()
+        # Coalesced (NCCL's default, opt-in on gloo): a mesh group's
+        # per-parameter collectives read as one line of the trace
+        with registered_fsdp_backend(DEVICE_TYPE, FSDPBackend(supports_coalescing=True)):
+            moe.loss_fn(model, tokens).backward()  # lazy init
+            trace = moe.FSDPCollectiveTrace(meshes)
+            with trace:
+                moe.loss_fn(model, tokens).backward()
         return trace
 
     def test_collective_order(self):
@@ -295,8 +298,8 @@ class TestFullyShardMoETrace(MoEMixin, FSDPExtTestMultiProcess):
           block; backward all-gathers interleave blocks (both groups of block 1,
           then both of block 0) ahead of the reduce-scatters;
         - per-parameter: the same order, one collective per parameter,
-          coalesced into one op per mesh group per block (gloo and NCCL
-          coalesce);
+          coalesced into one op per mesh group per block (NCCL coalesces by
+          default, gloo here by registration);
         - old wrapping, for comparison: experts are a separate FSDP module, so
           block 0's experts all-gather waits until block 1's gradients are
           reduce-scattered.

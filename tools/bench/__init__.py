@@ -48,5 +48,5 @@ Every rank runs one intra-op thread by default (--threads). Writes
 OUT/bench.json (or --json PATH), OUT/bench.md (also printed) and PNG plots
 (time, memory, copies, sweep) in OUT/, bench-out/ by default; --profile adds
 torch.profiler tables and memory-peak sites in OUT/profiles/.
-Results and commands for this repository's machine: docs/benchmarks.md.
+Results and commands for this repository's machine: docs/results.md.
 """

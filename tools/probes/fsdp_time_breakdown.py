@@ -11,7 +11,7 @@ counted in both (``foreach_all_gather*`` inside ``FSDPParamGroup.unshard``,
 for one), so the rows do not add up.
 
 Per-call wrappers cost about a microsecond each, in every mode alike; the
-bench's own numbers (docs/benchmarks.md) come without them.
+bench's own numbers (docs/results.md) come without them.
 """
 
 from __future__ import annotations
