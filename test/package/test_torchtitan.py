@@ -8,7 +8,7 @@ with bitwise-equal losses, gradient norms and every rank's parameter and
 gradient shards at every step. llama3 at W=2; deepseek_v3 (MoE) at W=4 with
 expert parallelism 2, where the routed experts go to the efsdp mesh through
 torch's ``ShardPlacementResult``. Multi-process gloo on CPU ranks, with the CPU
-shims of ``torch_fsdp_ext.torchtitan.apply_cpu_shims``.
+shims of ``torch_fsdp_ext._testing.torchtitan.apply_cpu_shims``.
 """
 
 import math
@@ -36,12 +36,11 @@ from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.distributed import ParallelDims  # noqa: E402
 
 import torch_fsdp_ext  # noqa: E402
+from torch_fsdp_ext._testing.torchtitan import DebugRun, debug_config  # noqa: E402
 from torch_fsdp_ext.torchtitan import (  # noqa: E402
-    DebugRun,
     FSDPExtSettings,
     TorchtitanLayoutError,
     active_settings,
-    debug_config,
     use_fsdp_ext,
 )
 

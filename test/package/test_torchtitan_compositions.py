@@ -65,7 +65,8 @@ from torchtitan.distributed import ParallelDims
 
 import torch_fsdp_ext
 from torch_fsdp_ext._testing.moe import FeedForward
-from torch_fsdp_ext.torchtitan import DebugRun, FSDPExtSettings, debug_config
+from torch_fsdp_ext._testing.torchtitan import DebugRun, debug_config
+from torch_fsdp_ext.torchtitan import FSDPExtSettings
 
 try:
     from torchao.float8 import (
