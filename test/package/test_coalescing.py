@@ -11,8 +11,6 @@ Multi-process on CPU; the c10d ops are recorded at dispatch, where a coalesced
 op list reaches the backend as a single op.
 """
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -252,33 +250,27 @@ class _CallCountingReduceScatter(DefaultReduceScatter):
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
-class _ArenaMixin:
-    """Overrides ``allocate``: every tensor comes from one arena of its own."""
+class _OwnMemoryMixin:
+    """Overrides ``allocate``; remembers the storage of every tensor it made."""
 
     def __init__(self):
-        self.arena = torch.empty(1 << 16, device=DEVICE)
-        self.used = 0
+        self.allocated: list[torch.Tensor] = []
 
     def allocate(self, size, *, dtype, device):
-        numel = math.prod(size)
-        nbytes = numel * dtype.itemsize
-        self.used = -(-self.used // 16) * 16  # aligned
-        if self.used + nbytes > self.arena.nbytes:
-            raise AssertionError("the test's arena is too small")
-        out = self.arena.view(torch.uint8)[self.used : self.used + nbytes]
-        self.used += nbytes
-        return out.view(dtype).view(size)
+        self.allocated.append(torch.empty(*size, dtype=dtype, device=device))
+        return self.allocated[-1]
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        start = self.arena.data_ptr()
-        return start <= tensor.data_ptr() < start + self.arena.nbytes
+        # Storage identity: a view of an allocated tensor counts
+        storage = tensor.untyped_storage()._cdata
+        return any(t.untyped_storage()._cdata == storage for t in self.allocated)
 
 
-class _ArenaAllGather(_ArenaMixin, DefaultAllGather):
+class _OwnMemoryAllGather(_OwnMemoryMixin, DefaultAllGather):
     pass
 
 
-class _ArenaReduceScatter(_ArenaMixin, DefaultReduceScatter):
+class _OwnMemoryReduceScatter(_OwnMemoryMixin, DefaultReduceScatter):
     pass
 
 
@@ -346,7 +338,7 @@ class TestFullyShardCustomCommsOnGloo(FSDPExtTestMultiProcess):
                         self.assertEqual(reduce_scatter.calls, 2 * per_call)
                 with self.subTest(group_collectives=group_collectives, comm="allocate"):
                     model = _build(group_collectives)
-                    all_gather, reduce_scatter = _ArenaAllGather(), _ArenaReduceScatter()
+                    all_gather, reduce_scatter = _OwnMemoryAllGather(), _OwnMemoryReduceScatter()
                     for module in _fsdp_modules(model):
                         module.set_custom_all_gather(all_gather)
                         module.set_custom_reduce_scatter(reduce_scatter)
