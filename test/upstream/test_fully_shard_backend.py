@@ -548,8 +548,7 @@ class TestFullyShardBackendDefaults(TestCase):
             torch._chunk_cat(tensors, dim, num_chunks, out=out)
 
         model = fully_shard(MLP(8))
-        lib = torch.library.Library(GROUPED_COPY_IN_NS, "IMPL")
-        try:
+        with torch.library._scoped_library(GROUPED_COPY_IN_NS, "IMPL") as lib:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Warning only once for all operators")
                 warnings.filterwarnings(
@@ -557,8 +556,6 @@ class TestFullyShardBackendDefaults(TestCase):
                 )
                 lib.impl(GROUPED_COPY_IN_OP, chunk_cat, device_type.type.upper())
             model(torch.randn(4, 8, device=device_type)).sum().backward()
-        finally:
-            lib._destroy()
         self.assertEqual(calls, [4])
         model(torch.randn(4, 8, device=device_type)).sum().backward()
         self.assertEqual(calls, [4])

@@ -142,10 +142,12 @@ class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
             other_info = FSDPMeshInfo(other_mesh, shard_mesh_dim=0)
             other_params = set(model[1].parameters())
 
-            def shard_placement_fn(param: nn.Parameter):
+            def other_mesh_placement(param: nn.Parameter):
                 if param in other_params:
                     return ShardPlacementResult(Shard(0), other_info)
                 return None
+
+            shard_placement_fn = other_mesh_placement
 
         fully_shard(
             model,
