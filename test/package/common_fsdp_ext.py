@@ -271,6 +271,11 @@ EXT = SimpleNamespace(
 )
 
 
+def fsdp_modules(model: nn.Module) -> list[Any]:
+    """The modules of ``model`` sharded by this package's ``fully_shard``."""
+    return [m for m in model.modules() if isinstance(m, EXT.FSDPModule)]
+
+
 def on_fsdp_modules(fn: Callable[[nn.Module], Any]) -> Callable[[nn.Module], None]:
     """An ``after_shard`` that calls ``fn`` on every FSDP module of the model."""
 

@@ -19,6 +19,7 @@ from common_fsdp_ext import (
     FSDPExtTestMultiProcess,
     Model,
     assert_models_bitwise_equal,
+    fsdp_modules,
     registered_fsdp_backend,
 )
 from torch.distributed.device_mesh import DeviceMesh
@@ -290,10 +291,6 @@ class _CollectiveTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _fsdp_modules(model: nn.Module) -> list:
-    return [m for m in model.modules() if isinstance(m, EXT.FSDPModule)]
-
-
 class TestFullyShardCustomCommsOnGloo(FSDPExtTestMultiProcess):
     def test_custom_comms_are_honored_where_gloo_coalesces(self):
         """Tests that with coalescing on, in both collective modes, a default
@@ -310,10 +307,10 @@ class TestFullyShardCustomCommsOnGloo(FSDPExtTestMultiProcess):
                     model = _build(group_collectives)
                     comms = [
                         (_CallCountingAllGather(), _CallCountingReduceScatter())
-                        for _ in _fsdp_modules(model)
+                        for _ in fsdp_modules(model)
                     ]
                     for module, (all_gather, reduce_scatter) in zip(
-                        _fsdp_modules(model), comms, strict=True
+                        fsdp_modules(model), comms, strict=True
                     ):
                         module.set_custom_all_gather(all_gather)
                         module.set_custom_reduce_scatter(reduce_scatter)
@@ -322,7 +319,7 @@ class TestFullyShardCustomCommsOnGloo(FSDPExtTestMultiProcess):
                         self, model, reference, "__call__ override", grads=False
                     )
                     for module, (all_gather, reduce_scatter) in zip(
-                        _fsdp_modules(model), comms, strict=True
+                        fsdp_modules(model), comms, strict=True
                     ):
                         # Two steps; the root is gathered once per step, a
                         # block twice (forward, backward); a reduce-scatter
@@ -339,7 +336,7 @@ class TestFullyShardCustomCommsOnGloo(FSDPExtTestMultiProcess):
                 with self.subTest(group_collectives=group_collectives, comm="allocate"):
                     model = _build(group_collectives)
                     all_gather, reduce_scatter = _OwnMemoryAllGather(), _OwnMemoryReduceScatter()
-                    for module in _fsdp_modules(model):
+                    for module in fsdp_modules(model):
                         module.set_custom_all_gather(all_gather)
                         module.set_custom_reduce_scatter(reduce_scatter)
                     with _CollectiveTensors() as recorded:

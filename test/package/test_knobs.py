@@ -28,6 +28,7 @@ from common_fsdp_ext import (
     FSDPExtTestMultiProcess,
     Model,
     assert_models_bitwise_equal,
+    on_fsdp_modules,
     registered_fsdp_backend,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -63,18 +64,6 @@ class Knob:
     mesh_shape: tuple[int, ...] = field(default=())
     # The root's kwargs instead of ``fsdp_kwargs``, if given
     root_fsdp_kwargs: Callable[[DeviceMesh], dict[str, Any]] | None = None
-
-
-def _fsdp_modules(model: nn.Module) -> list[Any]:
-    return [m for m in model.modules() if isinstance(m, EXT.FSDPModule)]
-
-
-def _each(fn: Callable[[Any], Any]) -> Callable[[nn.Module], None]:
-    def apply(model: nn.Module) -> None:
-        for module in _fsdp_modules(model):
-            fn(module)
-
-    return apply
 
 
 def _prefetch(model: nn.Module) -> None:
@@ -163,7 +152,7 @@ KNOBS_W2 = [
     ),
     Knob(
         "set_reshard_after_backward(False)",
-        after_shard=_each(lambda m: m.set_reshard_after_backward(False)),
+        after_shard=on_fsdp_modules(lambda m: m.set_reshard_after_backward(False)),
     ),
     Knob("forward and backward prefetch", after_shard=_prefetch),
     Knob("unshard(async_op=True)", before_forward=_unshard_async_before_forward),
@@ -173,18 +162,25 @@ KNOBS_W2 = [
         lambda mesh: {"reshard_after_forward": False},
         after_shard=lambda m: m._set_unshard_async_op(True),
     ),
-    Knob("set_custom_all_gather / set_custom_reduce_scatter", after_shard=_each(_custom_comms)),
+    Knob(
+        "set_custom_all_gather / set_custom_reduce_scatter",
+        after_shard=on_fsdp_modules(_custom_comms),
+    ),
     Knob(
         "set_gradient_divide_factor(3.0)",
-        after_shard=_each(lambda m: m.set_gradient_divide_factor(3.0)),
+        after_shard=on_fsdp_modules(lambda m: m.set_gradient_divide_factor(3.0)),
     ),
-    Knob("set_all_reduce_hook", after_shard=_each(lambda m: m.set_all_reduce_hook(_halve))),
+    Knob(
+        "set_all_reduce_hook", after_shard=on_fsdp_modules(lambda m: m.set_all_reduce_hook(_halve))
+    ),
     Knob(
         "set_force_sum_reduction_for_comms(True)",
-        after_shard=_each(lambda m: m.set_force_sum_reduction_for_comms(True)),
+        after_shard=on_fsdp_modules(lambda m: m.set_force_sum_reduction_for_comms(True)),
     ),
 ]
-_deterministic = _each(lambda m: m.set_custom_reduce_scatter(DeterministicReduceScatter()))
+_deterministic = on_fsdp_modules(
+    lambda m: m.set_custom_reduce_scatter(DeterministicReduceScatter())
+)
 KNOBS_W4 = [
     Knob("DeterministicReduceScatter", after_shard=_deterministic),
     Knob(
