@@ -3,10 +3,12 @@
 # torch_fsdp_ext, check the patch series, lint, run the whole test suite, then
 # the reference tests again on ATen's portable CPU kernels.
 set -euo pipefail
-usage="usage: bash tools/setup_and_test.sh [--base VERSION] [pytest args...]
+usage="usage: bash tools/setup_and_test.sh [--base VERSION] [--setup-only] [pytest args...]
 
---base  torch release to set up (one of patches/*/; default: the primary base
-        in patches/bases.toml). The primary base gets .venv, others .venv-VERSION.
+--base        torch release to set up (one of patches/*/; default: the primary
+              base in patches/bases.toml). The primary base gets .venv, others
+              .venv-VERSION.
+--setup-only  set up the venv and the generated copy, run nothing else
 Extra arguments go to pytest."
 cd "$(dirname "$0")/.."
 primary=$(python3 -c 'import tomllib; print(tomllib.load(open("patches/bases.toml", "rb"))["primary"])')
@@ -19,6 +21,11 @@ fi
 if [[ "${1:-}" == "--base" ]]; then
   base=${2:?"$usage"}
   shift 2
+fi
+setup_only=0
+if [[ "${1:-}" == "--setup-only" ]]; then
+  setup_only=1
+  shift
 fi
 if [[ ! -f patches/$base/base.toml ]]; then
   echo "error: no series for torch $base; supported: $(ls -d patches/*/ | xargs -n1 basename | tr '\n' ' ')" >&2
@@ -36,6 +43,11 @@ echo "== installing torch==$base, requirements.txt and torch_fsdp_ext (editable)
 # would refuse a newer base; the base is pinned exactly here, so lift it
 PIP_CONSTRAINT=/dev/null $py -m pip install -q "torch==$base" -r requirements.txt
 $py -m pip install -q --no-build-isolation --no-deps -e .
+if ((setup_only)); then
+  echo "== generating torch_fsdp_ext/_fully_shard (torch $base)"
+  $py tools/patches.py vendor
+  exit 0
+fi
 echo "== tools/patches.py check (torch $base)"
 $py tools/patches.py check
 echo "== tools/patches.py stack: each patch's upstream-path tests at its position (torch $base)"
