@@ -267,6 +267,41 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         self.assertIn("-m pip install -r requirements.txt", proc.stdout)
         self.assertNotIn("Traceback", proc.stdout)
 
+    def test_demos_outside_the_venv_name_the_fix(self):
+        """Tests that every demo run by a Python without torch (``-S``: no
+        site-packages) exits with one line naming the setup command and the
+        venv's interpreter, not a ``ModuleNotFoundError`` traceback."""
+        demos = sorted(
+            p for p in (self.repo / "tools" / "demos").glob("*.py") if not p.name.startswith("_")
+        )
+        self.assertGreaterEqual(len(demos), 3)
+        for demo in demos:
+            with self.subTest(demo=demo.name):
+                proc = run(self.repo, "-S", str(demo.relative_to(self.repo)))
+                self.assertFails(
+                    proc,
+                    "error: torch",
+                    "not installed for",
+                    "bash tools/setup_and_test.sh",
+                )
+                self.assertNotIn("Traceback", proc.stdout)
+                self.assertEqual(len(proc.stdout.strip().splitlines()), 1, proc.stdout)
+
+    def test_setup_script_names_the_supported_bases(self):
+        """Tests that the README's test command, asked for a torch release
+        without a series, fails at once with one line listing the supported
+        bases, before it creates any venv."""
+        proc = subprocess.run(
+            ["bash", "tools/setup_and_test.sh", "--base", "2.0.0"],
+            cwd=self.repo,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.assertFails(proc, "error: no series for torch 2.0.0; supported:", "2.15.0")
+        self.assertEqual(len(proc.stdout.strip().splitlines()), 1, proc.stdout)
+        self.assertFalse((self.repo / ".venv-2.0.0").exists())
+
     def test_vendor_refuses_a_foreign_dest(self):
         """Tests that ``patches.py vendor --dest`` never replaces a non-empty directory it did not generate."""
         dest = self.tmp / "mine"

@@ -20,6 +20,7 @@ import argparse
 import copy
 import logging
 
+import _venv  # noqa: F401  (first: names the fix outside the venv)
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as upstream_fsdp

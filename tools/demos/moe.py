@@ -31,6 +31,7 @@ import contextlib
 import logging
 import time
 
+import _venv  # noqa: F401  (first: names the fix outside the venv)
 import torch
 import torch.distributed as dist
 from _ranks import rank_rows

@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import time
 
+import _venv  # noqa: F401  (first: names the fix outside the venv)
 import torch
 import torch.distributed as dist
 from _ranks import rank_rows
