@@ -178,7 +178,14 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import torch_xla  # noqa: F401
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"torch_fsdp_ext.xla needs torch_xla ({e}). Fix: pip install "
+            f"torch-xla=={torch.__version__.split('+')[0]} (torch-xla releases "
+            "match torch's; bash tools/xla_check.sh sets up torch 2.9.0 with it)"
+        ) from None
 
     if not hasattr(torch, "xla"):
         torch._register_device_module("xla", _device_module())
