@@ -297,17 +297,13 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
         self.assertEqual(recorder.copies["copy_"], 4)
 
     def test_grouped_reduce_scatter_uses_chunk_cat(self):
-        """Tests that the default ``group_collectives=True`` keeps one
-        ``chunk_cat`` copy-in and one reduce-scatter per group."""
+        """Tests that grouped mode (the default) keeps one copy-in
+        (``fsdp::chunk_cat_mixed_dtype``) and one reduce-scatter per group."""
         model = _two_block_model()
         recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
         self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
-        # torch 2.15 made the copy-in the C++ ``fsdp::chunk_cat_mixed_dtype``
-        copy_ins = (
-            recorder.copies["chunk_cat"] + recorder.copies["chunk_cat_mixed_dtype"]
-        )
-        self.assertEqual(copy_ins, 2)
+        self.assertEqual(recorder.copies["chunk_cat_mixed_dtype"], 2)
 
 
 class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
@@ -356,16 +352,12 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
 
     def test_all_gather_per_param_refuses_custom_output_fn(self):
         """Tests that ``group_collectives=False`` raises instead of skipping a
-        custom all-gather output function (torch 2.15's per-group hook), and
+        custom all-gather output function (the per-group hook), and
         that grouped mode calls it."""
         calls = []
         for group_collectives in (False, True):
             model = _two_block_model(group_collectives=group_collectives)
             group = model[0]._get_fsdp_state()._fsdp_param_groups[0]
-            if not hasattr(group, "_all_gather_output_fn"):
-                self.skipTest(
-                    "torch before 2.15 has no all-gather output function hook"
-                )
             default_fn = group._all_gather_output_fn
 
             def output_fn(
