@@ -33,9 +33,7 @@ TOOLS = ("flake8", "torchfix", "pyrefly", "mypy")
 
 
 def _git(ws: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=ws, check=True, capture_output=True, text=True
-    ).stdout
+    return subprocess.run(["git", *args], cwd=ws, check=True, capture_output=True, text=True).stdout
 
 
 def _tree(torch_dir: Path, root: Path, files: dict[str, str]) -> None:
@@ -84,7 +82,9 @@ def _findings(tool: str, python: str, root: Path, rels: list[str], config: Path)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lint-python", required=True, help="python of a venv with requirements-lint.txt")
+    parser.add_argument(
+        "--lint-python", required=True, help="python of a venv with requirements-lint.txt"
+    )
     parser.add_argument("--workspace", type=Path, help="default: .workspace/<installed torch>")
     parser.add_argument("--config-dir", type=Path, default=REPO / ".upstream-lint")
     parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
@@ -99,7 +99,9 @@ def main() -> int:
         for p in _git(ws, "diff", "--name-only", "base", "HEAD").split()
         if p.startswith("torch/") and p.endswith(".py")
     ]
-    missing = [n for n in (".flake8", "pyrefly.toml", "mypy.ini") if not (args.config_dir / n).exists()]
+    missing = [
+        n for n in (".flake8", "pyrefly.toml", "mypy.ini") if not (args.config_dir / n).exists()
+    ]
     if missing:
         sys.exit(f"{args.config_dir} lacks PyTorch's {missing}; see this tool's --help")
     counts: dict[str, dict[str, collections.Counter[str]]] = {}
@@ -108,13 +110,17 @@ def main() -> int:
             root = Path(tmp) / name
             files = {}
             for rel in rels:
-                proc = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ws, capture_output=True, text=True)
+                proc = subprocess.run(
+                    ["git", "show", f"{rev}:{rel}"], cwd=ws, capture_output=True, text=True
+                )
                 if proc.returncode == 0:
                     files[rel] = proc.stdout
             _tree(torch_dir, root, files)
             present = [rel for rel in rels if rel in files]
             counts[name] = {
-                tool: collections.Counter(_findings(tool, args.lint_python, root, present, args.config_dir))
+                tool: collections.Counter(
+                    _findings(tool, args.lint_python, root, present, args.config_dir)
+                )
                 for tool in args.tools
             }
     new_total = 0

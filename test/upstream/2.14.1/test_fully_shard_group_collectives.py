@@ -113,11 +113,11 @@ class TestFullyShardGroupCollectivesCommAPI(TestCase):
         )
         self.assertEqual(
             [(id(o), id(i)) for o, i in all_gather.pairs],
-            [(id(o), id(i)) for o, i in zip(outputs, inputs)],
+            [(id(o), id(i)) for o, i in zip(outputs, inputs, strict=True)],
         )
         self.assertEqual(
             [(id(o), id(i)) for o, i in reduce_scatter.pairs],
-            [(id(o), id(i)) for o, i in zip(inputs, outputs)],
+            [(id(o), id(i)) for o, i in zip(inputs, outputs, strict=True)],
         )
         with self.assertRaises(ValueError):
             all_gather.foreach(outputs, inputs[:2], None)
