@@ -76,7 +76,9 @@ def _findings(tool: str, python: str, root: Path, rels: list[str], config: Path)
     for line in (proc.stdout + proc.stderr).splitlines():
         m = re.match(pattern, line.strip())
         if m and m["file"].lstrip("./") in rels:
-            found.append(f"{m['file'].lstrip('./')}: {m['msg']}")
+            # Messages that cite a line ("already defined on line 675") move with the patch
+            msg = re.sub(r"\bline \d+", "line N", m["msg"])
+            found.append(f"{m['file'].lstrip('./')}: {msg}")
     return found
 
 
