@@ -137,7 +137,8 @@ class TestFullyShardMoEParity(MoEMixin, FSDPExtTestMultiProcess):
         """Tests, within float tolerance, that with experts on a 1-rank efsdp
         mesh (efsdp=1, ep=2) every wrapping trains like the unsharded model:
         FSDP skips the reduce-scatter there and must divide expert gradients
-        by the divide factor once (patch 0009; upstream divided twice)."""
+        by the divide factor once (the series' 1-rank divide patch; upstream
+        divided twice)."""
         self.run_subtests({"mode": list(moe.MODES)}, self.check_unsharded_reference, efsdp=1, ep=2)
 
     def test_moe_per_param_matches_grouped_without_ep(self):

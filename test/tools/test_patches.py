@@ -203,7 +203,8 @@ class TestPatchToolingCheck(_TempRepoTestCase):
     def test_tampered_context_line(self):
         """Tests that a patch whose context no longer matches the base is named as not applying."""
         repo = self.new_repo()
-        patch = series(repo)[0]
+        # The first patch that changes torch/ (the series opens with a test-only one)
+        patch = next(p for p in series(repo) if "\ndiff --git a/torch/" in p.read_text())
         lines = patch.read_text().splitlines(keepends=True)
         start = next(i for i, line in enumerate(lines) if line.startswith("diff --git a/torch/"))
         hunk = next(i for i in range(start, len(lines)) if lines[i].startswith("@@"))
@@ -335,6 +336,33 @@ class TestPatchToolingWorkspace(_TempRepoTestCase):
         self.assertSucceeds(run(repo, "tools/patches.py", "workspace", "export", "--dir", str(ws)))
         self.assertEqual(snapshot(repo / PDIR), before)
         self.assertEqual(snapshot(repo / VENDORED), generated)
+
+    @pytest.mark.slow
+    def test_format_writes_a_base_s_own_test_back_to_its_copy(self):
+        """Tests that ``workspace format`` writes a test the base keeps its own
+        copy of (``test/upstream/<version>/``) back to that copy, leaving the
+        common file as it is."""
+        repo = self.new_repo()
+        name = "test_fully_shard_cpu_offload.py"
+        common = repo / "test" / "upstream" / name
+        own = repo / "test" / "upstream" / INSTALLED / name
+        own.parent.mkdir()
+        own.write_text(common.read_text().replace("def test_", "def test_own_", 1))
+        before = common.read_text()
+        ws = self.tmp / "ws"
+        self.assertSucceeds(run(repo, "tools/patches.py", "workspace", "init", "--dir", str(ws)))
+        self.assertSucceeds(
+            run(repo, "tools/patches.py", "workspace", "sync-tests", "--dir", str(ws))
+        )
+        git(ws, "commit", "-qam", "own copy")
+        # Unformatted in the workspace: format writes the formatted text back
+        path = ws / "test" / "distributed" / "_composable" / "fsdp" / name
+        path.write_text(path.read_text().replace("def test_own_", "def  test_own_", 1))
+        git(ws, "commit", "-qam", "unformatted")
+        own.write_text("stale\n")
+        self.assertSucceeds(run(repo, "tools/patches.py", "workspace", "format", "--dir", str(ws)))
+        self.assertIn("def test_own_", own.read_text())
+        self.assertEqual(common.read_text(), before)
 
 
 class TestPatchToolingImport(_TempRepoTestCase):

@@ -37,33 +37,49 @@ def _shard(model: nn.Sequential, check: bool | None = True, **kwargs) -> nn.Sequ
     return model
 
 
+# The rank threads of ``FSDPTestMultiThread`` share the process: rank 0 alone
+# changes ``dist``'s debug level and functions for every rank and restores
+# them, with barriers, so that no rank runs before the change or restores it
+# while another still runs
+_shared: dict[str, object] = {}
+
+
 @contextlib.contextmanager
-def _debug_level(level: dist.DebugLevel) -> Iterator[None]:
-    previous = dist.get_debug_level()
-    dist.set_debug_level(level)
+def _debug_level(level: dist.DebugLevel, rank: int) -> Iterator[None]:
+    if rank == 0:
+        _shared["debug_level"] = dist.get_debug_level()
+        dist.set_debug_level(level)
+    dist.barrier()
     try:
         yield
+        dist.barrier()
     finally:
-        dist.set_debug_level(previous)
+        if rank == 0:
+            dist.set_debug_level(_shared.pop("debug_level"))
 
 
 @contextlib.contextmanager
 def _recording_all_gather_object(rank: int) -> Iterator[list]:
     """Records what this rank passes to ``all_gather_object``."""
-    calls = []
-    all_gather_object = dist.all_gather_object
+    if rank == 0:
+        calls: dict[int, list] = {r: [] for r in range(dist.get_world_size())}
+        all_gather_object = dist.all_gather_object
 
-    def recording(output, obj, group=None):
-        # The threads of every rank share the patched function
-        if dist.get_rank() == rank:
-            calls.append(obj)
-        return all_gather_object(output, obj, group=group)
+        def recording(output, obj, group=None):
+            calls[dist.get_rank()].append(obj)
+            return all_gather_object(output, obj, group=group)
 
-    dist.all_gather_object = recording
+        _shared["calls"] = calls
+        _shared["all_gather_object"] = all_gather_object
+        dist.all_gather_object = recording
+    dist.barrier()
+    own_calls = _shared["calls"][rank]
     try:
-        yield calls
+        yield own_calls
+        dist.barrier()
     finally:
-        dist.all_gather_object = all_gather_object
+        if rank == 0:
+            dist.all_gather_object = _shared.pop("all_gather_object")
 
 
 class TestFullyShardRankCheck(FSDPTestMultiThread):
@@ -198,7 +214,7 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
             with self.subTest(level=level):
                 model = _shard(_model(), check=None, mesh=mesh)
                 with (
-                    _debug_level(level),
+                    _debug_level(level, self.rank),
                     _recording_all_gather_object(self.rank) as calls,
                 ):
                     model(torch.randn(2, 8, device=device_type)).sum().backward()
@@ -237,7 +253,7 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
             mesh=mesh,
             shard_placement_fn=lambda p: Shard(self.rank % p.ndim),
         )
-        with _debug_level(dist.DebugLevel.DETAIL):
+        with _debug_level(dist.DebugLevel.DETAIL, self.rank):
             model(torch.randn(2, 8, device=device_type)).sum().backward()
 
 

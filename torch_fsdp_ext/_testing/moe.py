@@ -15,7 +15,7 @@ The three wrappings (:data:`MODES`) of each block, then the root:
   ``fully_shard(block, mesh=dp)``: two FSDP modules per block. It uses
   ``torch_fsdp_ext`` (grouped, bitwise upstream's implementation) so that only
   the wrapping differs: upstream torch 2.13 divides expert gradients twice on
-  a 1-rank efsdp mesh, which patch 0009 fixes.
+  a 1-rank efsdp mesh, which the series' 1-rank divide patch fixes.
 - ``grouped``: ``torch_fsdp_ext.fully_shard(block, mesh=dp, shard_placement_fn=...)``
   where the function puts expert parameters on the efsdp mesh
   (``ShardPlacementResult``): one FSDP module, two parameter groups.

@@ -1,0 +1,141 @@
+"""Count PyTorch's own linters' findings in the series' torch/ files, pristine vs patched.
+
+tools/patches.py check runs ruff with PyTorch's settings; PyTorch's lint CI also
+runs flake8 (with flake8-bugbear and flake8-comprehensions), TorchFix, pyrefly
+and mypy. This runs each (the pins in requirements-lint.txt) on every
+``torch/`` file the series touches, once in a copy of the installed torch with
+the pristine files and once with the patched ones, and prints the findings per
+tool (by file, code and message, not line) and the ones only the patched tree
+has. It exits 1 if there is any.
+
+PyTorch's configs are PyTorch's and are never committed: put its ``.flake8``,
+``pyrefly.toml`` and ``mypy.ini`` (from a pytorch checkout at the base's commit)
+into the ignored ``.upstream-lint/`` first (CONTRIBUTING.md, "Lint as upstream
+does"). The linters run from ``--lint-python`` (a venv with requirements-lint.txt);
+the series comes from ``.workspace/<version>`` (tools/patches.py workspace init).
+
+    .venv/bin/python tools/probes/upstream_lint.py --lint-python .venv-lint/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = ("flake8", "torchfix", "pyrefly", "mypy")
+
+
+def _git(ws: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ws, check=True, capture_output=True, text=True).stdout
+
+
+def _tree(torch_dir: Path, root: Path, files: dict[str, str]) -> None:
+    """A copy of the installed torch package under ``root/torch`` (hard links,
+    so it costs no data) with ``files`` (upstream path -> text) written in."""
+    shutil.copytree(torch_dir, root / "torch", copy_function=_link, symlinks=True)
+    for rel, text in files.items():
+        path = root / rel
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        Path(dst).hardlink_to(src)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _findings(tool: str, python: str, root: Path, rels: list[str], config: Path) -> list[str]:
+    bin_dir = Path(python).parent
+    if tool == "flake8":
+        cmd = [python, "-m", "flake8", "--config", str(config / ".flake8"), *rels]
+        pattern = r"^(?P<file>[^:]+):\d+:\d+: (?P<msg>.*)$"
+    elif tool == "torchfix":
+        cmd = [str(bin_dir / "torchfix"), *rels]
+        pattern = r"^(?P<file>[^:]+):\d+:\d+: (?P<msg>.*)$"
+    elif tool == "pyrefly":
+        shutil.copyfile(config / "pyrefly.toml", root / "pyrefly.toml")
+        cmd = [str(bin_dir / "pyrefly"), "check", "--output-format", "min-text", *rels]
+        pattern = r"^(?:ERROR|WARN) (?P<file>[^:]+):\d+:\d+(?:-\d+(?::\d+)?)?: (?P<msg>.*)$"
+    else:
+        shutil.copyfile(config / "mypy.ini", root / "mypy.ini")
+        cmd = [python, "-m", "mypy", "--config-file", "mypy.ini", "--follow-imports", "silent"]
+        cmd += ["--no-incremental", "--hide-error-context", "--no-error-summary", *rels]
+        pattern = r"^(?P<file>[^:]+):\d+(?::\d+)?: (?:error|note): (?P<msg>.*)$"
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    found = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        m = re.match(pattern, line.strip())
+        if m and m["file"].lstrip("./") in rels:
+            found.append(f"{m['file'].lstrip('./')}: {m['msg']}")
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--lint-python", required=True, help="python of a venv with requirements-lint.txt"
+    )
+    parser.add_argument("--workspace", type=Path, help="default: .workspace/<installed torch>")
+    parser.add_argument("--config-dir", type=Path, default=REPO / ".upstream-lint")
+    parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    args = parser.parse_args()
+
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    ws = args.workspace or REPO / ".workspace" / torch.__version__.split("+")[0]
+    rels = [
+        p
+        for p in _git(ws, "diff", "--name-only", "base", "HEAD").split()
+        if p.startswith("torch/") and p.endswith(".py")
+    ]
+    missing = [
+        n for n in (".flake8", "pyrefly.toml", "mypy.ini") if not (args.config_dir / n).exists()
+    ]
+    if missing:
+        sys.exit(f"{args.config_dir} lacks PyTorch's {missing}; see this tool's --help")
+    counts: dict[str, dict[str, collections.Counter[str]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, rev in (("pristine", "base"), ("patched", "HEAD")):
+            root = Path(tmp) / name
+            files = {}
+            for rel in rels:
+                proc = subprocess.run(
+                    ["git", "show", f"{rev}:{rel}"], cwd=ws, capture_output=True, text=True
+                )
+                if proc.returncode == 0:
+                    files[rel] = proc.stdout
+            _tree(torch_dir, root, files)
+            present = [rel for rel in rels if rel in files]
+            counts[name] = {
+                tool: collections.Counter(
+                    _findings(tool, args.lint_python, root, present, args.config_dir)
+                )
+                for tool in args.tools
+            }
+    new_total = 0
+    for tool in args.tools:
+        new = counts["patched"][tool] - counts["pristine"][tool]
+        new_total += sum(new.values())
+        print(
+            f"{tool}: pristine {sum(counts['pristine'][tool].values())}, "
+            f"patched {sum(counts['patched'][tool].values())}, new {sum(new.values())}"
+        )
+        for finding in sorted(new.elements()):
+            print(f"  new: {finding}")
+    print(f"{len(rels)} torch/ files of {ws}")
+    return 1 if new_total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
