@@ -64,6 +64,11 @@ class Rewrite:
 # Rewrites turn upstream's module into a relocated copy. Each has an exact count
 # so that an upstream change that moves the target fails generation loudly
 # instead of silently producing a different package.
+# torch 2.9.0's FSDP2 predates per-parameter meshes (no ShardPlacementResult,
+# no DataParallelMeshDims) and constructs the original class from a literal
+# MRO index
+_SINCE_2_14 = ("2.14.1", "2.15.0")
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite(
         "_fsdp_collectives.py",
@@ -78,6 +83,7 @@ REWRITES: tuple[Rewrite, ...] = (
         f"from {PACKAGE}.{VENDORED_NAME}.",
         1,
         "absolute self-imports must resolve to the vendored copy",
+        _SINCE_2_14,
     ),
     *(
         Rewrite(
@@ -99,9 +105,10 @@ REWRITES: tuple[Rewrite, ...] = (
             bases,
         )
         for file, count, bases in (
-            ("_fsdp_collectives.py", 4, ("2.14.1",)),
+            ("_fsdp_collectives.py", 4, ("2.9.0", "2.14.1")),
             ("_fsdp_collectives.py", 5, ("2.15.0",)),
-            ("_fsdp_param.py", 2, None),
+            ("_fsdp_param.py", 2, _SINCE_2_14),
+            ("_fsdp_param.py", 3, ("2.9.0",)),
         )
     ),
     Rewrite(
@@ -133,6 +140,16 @@ REWRITES: tuple[Rewrite, ...] = (
         1,
         "the upstream base class adds one entry to the MRO: "
         "[FSDP<Orig>, FSDPModule, upstream FSDPModule, Orig, ...]",
+        _SINCE_2_14,
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        "        orig_cls = cls.__mro__[2]\n",
+        "        orig_cls = cls.__mro__[3]\n",
+        1,
+        "the upstream base class adds one entry to the MRO: "
+        "[FSDP<Orig>, FSDPModule, upstream FSDPModule, Orig, ...]",
+        ("2.9.0",),
     ),
     Rewrite(
         "_fully_shard.py",
@@ -151,6 +168,7 @@ REWRITES: tuple[Rewrite, ...] = (
         '    raise ValueError(f"Invalid shard_placement_fn result: {result}")\n',
         1,
         "torchtitan-style code returns torch's own ShardPlacementResult",
+        _SINCE_2_14,
     ),
     Rewrite(
         "_fully_shard.py",
@@ -164,6 +182,20 @@ REWRITES: tuple[Rewrite, ...] = (
         "torch's own CPUOffloadPolicy would fail the copy's isinstance checks and "
         "silently not offload; its MixedPrecisionPolicy and DataParallelMeshDims "
         "become ours too",
+        _SINCE_2_14,
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        '    torch._C._log_api_usage_once("torch.distributed.fsdp.fully_shard")\n',
+        '    torch._C._log_api_usage_once("torch.distributed.fsdp.fully_shard")\n'
+        f"    from {PACKAGE}._upstream_types import from_upstream_fully_shard_args\n\n"
+        "    mp_policy, offload_policy, _ = from_upstream_fully_shard_args(\n"
+        "        mp_policy, offload_policy, None\n"
+        "    )\n",
+        1,
+        "torch's own CPUOffloadPolicy would fail the copy's isinstance checks and "
+        "silently not offload; its MixedPrecisionPolicy becomes ours too",
+        ("2.9.0",),
     ),
 )
 
