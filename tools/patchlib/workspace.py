@@ -88,7 +88,7 @@ def format_tree() -> None:
             (cwd / path).write_text(new)
 
 
-def format_series(ws: Path) -> None:
+def format_series(ws: Path, version: str) -> None:
     if git(ws, "status", "--porcelain").stdout.strip():
         raise vendor.VendorError(f"{ws} has uncommitted changes; commit them first")
     command = REPO / "tools" / "patches.py"
@@ -100,10 +100,13 @@ def format_series(ws: Path) -> None:
         check=True,
         capture_output=True,
     )
-    # The project form of the formatted tests (imports from torch_fsdp_ext)
+    # The project form of the formatted tests (imports from torch_fsdp_ext),
+    # into the base's own version of a test where it has one
     for path in sorted((ws / vendor.UPSTREAM_TEST_DIR).glob("test_*.py")):
-        if (UPSTREAM_TESTS / path.name).exists():
-            (UPSTREAM_TESTS / path.name).write_text(project_form(path.read_text()))
+        for source in (UPSTREAM_TESTS / version / path.name, UPSTREAM_TESTS / path.name):
+            if source.exists():
+                source.write_text(project_form(path.read_text()))
+                break
     log.info("formatted base..HEAD in %s and test/upstream/; export next", ws)
 
 
@@ -132,6 +135,6 @@ def run(args: argparse.Namespace) -> None:
     elif args.command == "sync-tests":
         sync_tests(target, ws)
     elif args.command == "format":
-        format_series(ws)
+        format_series(ws, target.version)
     else:
         export(target, ws)

@@ -653,7 +653,7 @@ class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
                 "op": [
                     dist.ReduceOp.SUM,
                     dist.ReduceOp.AVG,
-                    dist.ReduceOp.PREMUL_SUM(0.3),
+                    dist._make_nccl_premul_sum(0.3),
                 ],
                 "dtype": [torch.float32, torch.bfloat16],
             },
