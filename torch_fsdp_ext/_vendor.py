@@ -15,6 +15,8 @@ build environments that may not have torch installed.
 from __future__ import annotations
 
 import contextlib
+import email
+import email.policy
 import fcntl
 import hashlib
 import importlib.util
@@ -26,7 +28,7 @@ import subprocess
 import tempfile
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGE = "torch_fsdp_ext"
@@ -215,6 +217,9 @@ class Base:
     torch_version: str
     commit: str
     files: dict[str, str]  # upstream path -> sha256
+    # Subject -> reason, for each patch of the primary base's series that this
+    # base leaves out (``[series.omitted]``; only a port to another release may)
+    omitted: dict[str, str] = field(default_factory=dict)
 
 
 def patches_root() -> Path:
@@ -264,7 +269,12 @@ def patches_dir(version: str, root: Path | None = None) -> Path:
 def read_base(pdir: Path) -> Base:
     with open(pdir / "base.toml", "rb") as f:
         data = tomllib.load(f)
-    return Base(data["torch"]["version"], data["torch"]["commit"], dict(data["files"]))
+    return Base(
+        data["torch"]["version"],
+        data["torch"]["commit"],
+        dict(data["files"]),
+        dict(data.get("series", {}).get("omitted", {})),
+    )
 
 
 def read_series(pdir: Path) -> list[Path]:
@@ -277,6 +287,41 @@ def read_series(pdir: Path) -> list[Path]:
     if missing:
         raise VendorError(f"{pdir / 'series'} lists missing patches: {missing}")
     return [pdir / n for n in names]
+
+
+def patch_subject(patch: Path) -> str:
+    """The ``Subject:`` of a ``git format-patch`` file, without ``[PATCH]``."""
+    with open(patch, "rb") as f:
+        subject = email.message_from_binary_file(f, policy=email.policy.default)["Subject"]
+    return subject.removeprefix("[PATCH] ")
+
+
+def created_test_files(patch: Path) -> list[str]:
+    """The upstream-path tests that ``patch`` creates (``new file mode``)."""
+    created = []
+    for chunk in patch.read_text().split("\ndiff --git a/")[1:]:
+        path = chunk.split(" ", 1)[0]
+        header = chunk.split("\n@@", 1)[0]
+        if path.startswith(f"{UPSTREAM_TEST_DIR}/") and "\nnew file mode" in header:
+            created.append(path)
+    return created
+
+
+def omitted_tests(version: str, root: Path | None = None) -> dict[str, tuple[str, str]]:
+    """Upstream test path -> (subject, reason), for each test created by a
+    primary patch that the base ``version`` leaves out: that base neither
+    carries nor runs it."""
+    root = patches_root() if root is None else root
+    omitted = read_base(patches_dir(version, root)).omitted
+    if not omitted:
+        return {}
+    tests = {}
+    for patch in read_series(patches_dir(primary_version(root), root)):
+        subject = patch_subject(patch)
+        if subject in omitted:
+            for path in created_test_files(patch):
+                tests[path] = (subject, omitted[subject])
+    return tests
 
 
 def torch_root() -> Path:

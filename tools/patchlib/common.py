@@ -12,8 +12,6 @@ import argparse
 import atexit
 import collections
 import difflib
-import email
-import email.policy
 import importlib.util
 import itertools
 import json
@@ -234,7 +232,17 @@ def base_files(root: Path) -> dict[str, str]:
     }
 
 
-def write_base_toml(pdir: Path, version: str, commit: str, files: dict[str, str]) -> None:
+OMITTED_HEADER = (
+    "# Patches of the primary base's series that this base leaves out: subject =\n"
+    "# why (tools/patches.py check requires the rest, in the primary's order).\n"
+    "[series.omitted]\n"
+)
+
+
+def write_base_toml(
+    pdir: Path, version: str, commit: str, files: dict[str, str], omitted: dict[str, str]
+) -> None:
+    """Write ``base.toml``; ``omitted`` (subject -> reason) becomes ``[series.omitted]``."""
     lines = [
         "# The pinned upstream base of this series. Everything generated from it is",
         '# checked against these files (see CONTRIBUTING.md, "Adding a torch release").',
@@ -247,8 +255,13 @@ def write_base_toml(pdir: Path, version: str, commit: str, files: dict[str, str]
         "[files]",
         *(f'"{rel}" = "{digest}"' for rel, digest in sorted(files.items())),
     ]
+    text = "\n".join(lines) + "\n"
+    if omitted:
+        # TOML basic strings take JSON's escapes
+        text += "\n" + OMITTED_HEADER
+        text += "".join(f"{json.dumps(s)} = {json.dumps(r)}\n" for s, r in omitted.items())
     pdir.mkdir(parents=True, exist_ok=True)
-    (pdir / "base.toml").write_text("\n".join(lines) + "\n")
+    (pdir / "base.toml").write_text(text)
 
 
 def export_series(ws: Path, pdir: Path) -> None:
@@ -453,10 +466,4 @@ def project_form(text: str) -> str:
 
 def patch_subjects(pdir: Path) -> list[str]:
     """The ``Subject:`` of every patch in the series, in order."""
-    subjects = []
-    for patch in vendor.read_series(pdir):
-        with open(patch, "rb") as f:
-            subjects.append(
-                email.message_from_binary_file(f, policy=email.policy.default)["Subject"]
-            )
-    return subjects
+    return [vendor.patch_subject(patch) for patch in vendor.read_series(pdir)]

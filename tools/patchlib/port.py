@@ -4,7 +4,10 @@
             torch's pristine files on top of the old base, and rebase the series
             onto them (git's 3-way merge); stops at the first conflict
   continue  after resolving a conflict and ``git add``-ing the files in the
-            workspace, go on with the rebase; stops at the next conflict
+            workspace, go on with the rebase; stops at the next conflict. To
+            leave a patch out instead (its premise does not exist in the new
+            release), ``git rebase --skip`` it in the workspace, then continue,
+            and give the reason under [series.omitted] in the new base.toml
 
 When the rebase is through, the new base is written to patches/<version>/
 (base.toml pinned by commit and per-file sha256, series, patches), ready for
@@ -37,6 +40,7 @@ from .common import (
     git,
     init_base_repo,
     log,
+    patch_subjects,
     resolve_target,
     torch_at,
     vendor,
@@ -128,9 +132,23 @@ def _finish_or_stop(ws: Path, returncode: int) -> None:
     if returncode != 0:
         raise SystemExit(f"error: git rebase failed in {ws}; see `git status` there")
     pdir = PATCHES / state["to"]
-    write_base_toml(pdir, state["to"], state["commit"], state["files"])
+    # A port again keeps the reasons given for patches left out (``git rebase
+    # --skip`` at a conflict); a newly skipped one needs its reason added
+    omitted = vendor.read_base(pdir).omitted if (pdir / "base.toml").is_file() else {}
+    write_base_toml(pdir, state["to"], state["commit"], state["files"], omitted)
     export_series(ws, pdir)
     to = state["to"]
+    carried = set(patch_subjects(pdir))
+    skipped = [
+        s
+        for s in patch_subjects(vendor.patches_dir(state["from"], PATCHES))
+        if s not in carried and s not in omitted
+    ]
+    if skipped:
+        log.warning(
+            f"left out of patches/{to}: {skipped}. Add each to [series.omitted] in "
+            f"patches/{to}/base.toml with the reason (tools/patches.py check fails until then)"
+        )
     log.info(
         f"torch {to}: patches/{to} written. Next: python tools/patches.py check --base {to} "
         f"--torch <torch {to}>; add {to} to the torch range in pyproject.toml; "

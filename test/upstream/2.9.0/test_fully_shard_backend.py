@@ -363,8 +363,8 @@ class TestFullyShardBackendCapabilities(TestCase):
         """Tests that a divide factor reduces with ``PREMUL_SUM`` on NCCL, XCCL
         and out-of-tree groups and with ``SUM`` plus FSDP's own divides on a
         gloo group, with no registration, and on a real (fake) c10d process
-        group; and that a 1-rank gloo mesh, where no collective runs, keeps
-        the division in FSDP's copy (no pre/post divides)."""
+        group; also on a 1-rank gloo mesh, where the reduce-scatter runs as
+        well."""
         for backend in (_NCCL, _XCCL, _TPU):
             op = _get_gradient_divide_factors(
                 _FakeGroup(4, backend), None, torch.float32, "meta", 3.0
@@ -378,7 +378,7 @@ class TestFullyShardBackendCapabilities(TestCase):
         factors = _get_gradient_divide_factors(
             _FakeGroup(1, _GLOO), None, torch.float32, "meta", 2.0
         )
-        self.assertEqual(factors[:2], (None, None))
+        self.assertEqual(factors[:3], (None, 2.0, dist.ReduceOp.SUM))
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
         try:
             group = dist.group.WORLD

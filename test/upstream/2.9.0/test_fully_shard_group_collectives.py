@@ -672,7 +672,7 @@ class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
         dist.all_gather_into_tensor(gathered, inp, group=group)
         chunks = gathered.view(self.world_size, self.world_size, -1)[:, self.rank]
         if getattr(op, "op", op) == dist.ReduceOp.PREMUL_SUM:
-            chunks = chunks * op.factor
+            chunks = chunks * op.__getstate__()[1]  # (op type, factor)
         expected = chunks[0].clone()
         for chunk in chunks[1:]:
             expected += chunk
