@@ -550,7 +550,13 @@ class TestFullyShardBackendDefaults(TestCase):
                 warnings.filterwarnings(
                     "ignore", "Overriding a previously registered kernel"
                 )
-                lib.impl(GROUPED_COPY_IN_OP, chunk_cat, device_type.type.upper())
+                # FSDP registers its own Python kernel for the key
+                lib.impl(
+                    GROUPED_COPY_IN_OP,
+                    chunk_cat,
+                    device_type.type.upper(),
+                    allow_override=True,
+                )
             model(torch.randn(4, 8, device=device_type)).sum().backward()
         self.assertEqual(calls, [4])
         model(torch.randn(4, 8, device=device_type)).sum().backward()

@@ -475,11 +475,11 @@ class _CoalescingGroup:
     def _get_backend(self, device):
         return self
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts):
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
         self.coalesced_ops.append("all_gather")
         return _DoneWork()
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
         self.coalesced_ops.append("reduce_scatter")
         return _DoneWork()
 
