@@ -456,8 +456,20 @@ class TestPatchToolingImport(_TempRepoTestCase):
 class TestPatchToolingBases(_TempRepoTestCase):
     """Several torch bases side by side: selection, agreement between bases, porting."""
 
-    # Every torch release published as of 2026-12-01 from 2.11 on (pip index versions torch)
-    PUBLISHED = ("2.11.0", "2.12.0", "2.12.1", "2.13.0", "2.14.0", "2.14.1", "2.15.0")
+    # Every torch release published as of 2026-12-04 from 2.8 on (pip index versions torch)
+    PUBLISHED = (
+        "2.8.0",
+        "2.9.0",
+        "2.9.1",
+        "2.10.0",
+        "2.11.0",
+        "2.12.0",
+        "2.12.1",
+        "2.13.0",
+        "2.14.0",
+        "2.14.1",
+        "2.15.0",
+    )
 
     def test_pyproject_range_is_exactly_the_supported_releases(self):
         """Tests that pip may choose a published torch release iff import supports it."""

@@ -232,17 +232,11 @@ def base_files(root: Path) -> dict[str, str]:
     }
 
 
-OMITTED_HEADER = (
-    "# Patches of the primary base's series that this base leaves out: subject =\n"
-    "# why (tools/patches.py check requires the rest, in the primary's order).\n"
-    "[series.omitted]\n"
-)
-
-
 def write_base_toml(
-    pdir: Path, version: str, commit: str, files: dict[str, str], omitted: dict[str, str]
+    pdir: Path, version: str, commit: str, files: dict[str, str], tail: str = ""
 ) -> None:
-    """Write ``base.toml``; ``omitted`` (subject -> reason) becomes ``[series.omitted]``."""
+    """Write ``base.toml``; ``tail`` (e.g. the ``[series.omitted]`` and
+    ``[requirements.exclude]`` tables) goes after ``[files]`` as it is."""
     lines = [
         "# The pinned upstream base of this series. Everything generated from it is",
         '# checked against these files (see CONTRIBUTING.md, "Adding a torch release").',
@@ -255,13 +249,18 @@ def write_base_toml(
         "[files]",
         *(f'"{rel}" = "{digest}"' for rel, digest in sorted(files.items())),
     ]
-    text = "\n".join(lines) + "\n"
-    if omitted:
-        # TOML basic strings take JSON's escapes
-        text += "\n" + OMITTED_HEADER
-        text += "".join(f"{json.dumps(s)} = {json.dumps(r)}\n" for s, r in omitted.items())
     pdir.mkdir(parents=True, exist_ok=True)
-    (pdir / "base.toml").write_text(text)
+    (pdir / "base.toml").write_text("\n".join(lines) + "\n" + tail)
+
+
+def base_toml_tail(pdir: Path) -> str:
+    """What an existing ``base.toml`` has after its ``[files]`` table."""
+    path = pdir / "base.toml"
+    if not path.is_file():
+        return ""
+    lines = path.read_text().splitlines(True)
+    last_file = max(i for i, line in enumerate(lines) if line.startswith('"torch/'))
+    return "".join(lines[last_file + 1 :])
 
 
 def export_series(ws: Path, pdir: Path) -> None:

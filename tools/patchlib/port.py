@@ -34,6 +34,7 @@ from .common import (
     add_base_arguments,
     am_series,
     base_files,
+    base_toml_tail,
     commit_base,
     copy_base_files,
     export_series,
@@ -132,10 +133,11 @@ def _finish_or_stop(ws: Path, returncode: int) -> None:
     if returncode != 0:
         raise SystemExit(f"error: git rebase failed in {ws}; see `git status` there")
     pdir = PATCHES / state["to"]
-    # A port again keeps the reasons given for patches left out (``git rebase
-    # --skip`` at a conflict); a newly skipped one needs its reason added
+    # A port again keeps what follows [files] (the reasons given for patches
+    # left out with ``git rebase --skip``, excluded requirements); a newly
+    # skipped patch needs its reason added
     omitted = vendor.read_base(pdir).omitted if (pdir / "base.toml").is_file() else {}
-    write_base_toml(pdir, state["to"], state["commit"], state["files"], omitted)
+    write_base_toml(pdir, state["to"], state["commit"], state["files"], base_toml_tail(pdir))
     export_series(ws, pdir)
     to = state["to"]
     carried = set(patch_subjects(pdir))
