@@ -35,7 +35,8 @@ import torch
 
 pytest.importorskip(
     "torchtitan",
-    reason="torchtitan is not installed (pip install -r requirements.txt pins torchtitan==0.3.0)",
+    reason="torchtitan is not importable (requirements.txt pins torchtitan==0.3.0; a base may "
+    "exclude it: [requirements.exclude] in patches/<version>/base.toml)",
 )
 
 import torch.distributed.fsdp as upstream_fsdp
