@@ -484,14 +484,48 @@ class TestPatchToolingBases(_TempRepoTestCase):
                 self.assertEqual(version in spec, version in supported)
 
     def add_base(self, repo: Path, version: str) -> Path:
-        """A copy of the installed torch's series under another version."""
+        """A copy of the installed torch's series (and its own test versions)
+        under another version."""
         pdir = repo / "patches" / version
         shutil.copytree(repo / PDIR, pdir)
         base = pdir / "base.toml"
         base.write_text(
             re.sub(r'^version = "[^"]+"', f'version = "{version}"', base.read_text(), flags=re.M)
         )
+        if (own_tests := repo / "test/upstream" / INSTALLED).is_dir():
+            shutil.copytree(own_tests, repo / "test/upstream" / version)
         return pdir
+
+    def test_base_missing_a_patch_needs_a_reason(self):
+        """Tests that ``patches.py check`` fails, naming the patch and the fix,
+        when a base lacks one of the primary base's patches, and passes once its
+        base.toml gives the reason under ``[series.omitted]``; the tests that
+        patch creates are then not required."""
+        repo = self.new_repo(vendored=True)
+        pdir = self.add_base(repo, "9.9.9")
+        test = "test_fully_shard_cpu_offload.py"
+        (patch,) = [p for p in series(repo, pdir.relative_to(repo)) if test in p.read_text()]
+        subject = re.search(r"^Subject: \[PATCH\] (.*)$", patch.read_text(), re.M).group(1)
+        names = (pdir / "series").read_text().splitlines(True)
+        (pdir / "series").write_text("".join(n for n in names if n.strip() != patch.name))
+        patch.unlink()
+        proc = run(repo, "tools/patches.py", "check")
+        self.assertFails(
+            proc, f"patches/9.9.9 lacks the primary base's patch {subject!r}", "[series.omitted]"
+        )
+        base = pdir / "base.toml"
+        entry = f'"{subject}" = "its premise does not exist in torch 9.9.9"\n'
+        text = base.read_text()
+        if "[series.omitted]\n" in text:
+            text = text.replace("[series.omitted]\n", "[series.omitted]\n" + entry)
+        else:
+            text += "\n[series.omitted]\n" + entry
+        base.write_text(text)
+        self.assertSucceeds(run(repo, "tools/patches.py", "check"))
+        # A reason must say something
+        base.write_text(text.replace("its premise does not exist in torch 9.9.9", " "))
+        proc = run(repo, "tools/patches.py", "check")
+        self.assertFails(proc, f"omits [{subject!r}] without a reason")
 
     def test_bases_with_other_subjects_fail(self):
         """Tests that ``patches.py check`` fails when one base's series has another patch subject."""
@@ -508,9 +542,11 @@ class TestPatchToolingBases(_TempRepoTestCase):
         """Tests that ``patches.py check`` fails when a base's series carries a test other than test/upstream/."""
         repo = self.new_repo(vendored=True)
         self.add_base(repo, "9.9.9")
-        (test,) = [p for p in (repo / "test/upstream").glob("test_*.py")][:1]
-        (repo / "test/upstream" / "9.9.9").mkdir()
-        (repo / "test/upstream" / "9.9.9" / test.name).write_text(test.read_text() + "# 9.9.9\n")
+        # A test every base carries
+        test = repo / "test/upstream/test_fully_shard_cpu_offload.py"
+        own = repo / "test/upstream" / "9.9.9" / test.name
+        own.parent.mkdir(exist_ok=True)
+        own.write_text(test.read_text() + "# 9.9.9\n")
         proc = run(repo, "tools/patches.py", "check")
         self.assertFails(proc, f"{test.name} in patches/9.9.9 differs", "sync-tests")
         self.assertNotIn(f"in patches/{INSTALLED} differs", proc.stdout)
@@ -586,7 +622,7 @@ class TestPatchToolingBases(_TempRepoTestCase):
         repo = self.new_repo(vendored=True)
         name = "test_fully_shard_backend.py"
         for version, test in ((INSTALLED, "test_this_base"), ("9.9.9", "test_other_base")):
-            (repo / "test/upstream" / version).mkdir()
+            (repo / "test/upstream" / version).mkdir(exist_ok=True)
             (repo / "test/upstream" / version / name).write_text(f"def {test}():\n    pass\n")
         proc = run(
             repo, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "test/upstream"
@@ -595,7 +631,8 @@ class TestPatchToolingBases(_TempRepoTestCase):
         self.assertIn(f"test/upstream/{INSTALLED}/{name}::test_this_base", proc.stdout)
         self.assertNotIn("test_other_base", proc.stdout)
         self.assertNotIn(f"test/upstream/{name}::", proc.stdout)
-        self.assertIn("test/upstream/test_fully_shard_group_collectives.py::", proc.stdout)
+        # A common test that no base has its own version of
+        self.assertIn("test/upstream/test_fully_shard_cpu_offload.py::", proc.stdout)
 
     def test_rewrite_count_drift_fails_generation(self):
         """Tests that a rewrite whose target occurs another number of times fails generation loudly."""
