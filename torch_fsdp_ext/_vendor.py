@@ -107,7 +107,8 @@ REWRITES: tuple[Rewrite, ...] = (
             bases,
         )
         for file, count, bases in (
-            ("_fsdp_collectives.py", 4, ("2.9.0", "2.14.1")),
+            ("_fsdp_collectives.py", 4, ("2.9.0",)),
+            ("_fsdp_collectives.py", 4, ("2.14.1",)),
             ("_fsdp_collectives.py", 5, ("2.15.0",)),
             ("_fsdp_param.py", 2, _SINCE_2_14),
             ("_fsdp_param.py", 3, ("2.9.0",)),

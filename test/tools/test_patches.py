@@ -27,6 +27,8 @@ import torch
 from packaging.requirements import Requirement
 from torch.testing._internal.common_utils import TestCase, run_tests
 
+from torch_fsdp_ext._vendor import patch_subject
+
 REPO = Path(__file__).resolve().parents[2]
 # The series of the installed torch, relative to a repository copy
 INSTALLED = torch.__version__.split("+", 1)[0]
@@ -38,6 +40,8 @@ LAYOUT = (
     "torch_fsdp_ext/_vendor.py",
     "torch_fsdp_ext/__init__.py",
     "torch_fsdp_ext/_upstream_types.py",
+    "torch_fsdp_ext/_torch_compat.py",
+    "torch_fsdp_ext/_clip_grad.py",
     "torch_fsdp_ext/_testing",
     "test/upstream",
     "test/conftest.py",
@@ -505,7 +509,7 @@ class TestPatchToolingBases(_TempRepoTestCase):
         pdir = self.add_base(repo, "9.9.9")
         test = "test_fully_shard_cpu_offload.py"
         (patch,) = [p for p in series(repo, pdir.relative_to(repo)) if test in p.read_text()]
-        subject = re.search(r"^Subject: \[PATCH\] (.*)$", patch.read_text(), re.M).group(1)
+        subject = patch_subject(patch)
         names = (pdir / "series").read_text().splitlines(True)
         (pdir / "series").write_text("".join(n for n in names if n.strip() != patch.name))
         patch.unlink()
@@ -702,10 +706,13 @@ class TestPatchToolingStack(_TempRepoTestCase):
         repo = self.new_repo()
         first = series(repo)[0]
         text = first.read_text()
-        self.assertIn("+            self.assertTrue(torch.equal(", text)
-        first.write_text(
-            text.replace("self.assertTrue(torch.equal(", "self.assertFalse(torch.equal(")
+        # The first assertTrue/assertFalse that the patch's test adds, negated
+        match = re.search(r"^\+ +self\.assert(True|False)\(", text, re.M)
+        self.assertIsNotNone(match)
+        negated = match.group(0).replace(
+            match.group(1), "False" if match.group(1) == "True" else "True"
         )
+        first.write_text(text[: match.start()] + negated + text[match.end() :])
         proc = run(repo, "tools/patches.py", "stack")
         self.assertFails(proc, f"{first.name}: 1 failed", "tests fail at position 1 of patches/")
         self.assertNotIn(series(repo)[1].name, proc.stdout)
