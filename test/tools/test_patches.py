@@ -580,15 +580,25 @@ class TestPatchToolingBases(_TempRepoTestCase):
         """Tests that ``patches.py port`` rebases the series onto a new torch, stops at a conflicting
         upstream change, and after the conflict is resolved writes a base that checks clean."""
         repo = self.new_repo(vendored=True)
-        # An upstream rewrite of a line the first patch changes, and an unrelated one
+        # An upstream rewrite of a line next to one the series adds (the
+        # group_collectives check; torch 2.9 has no ``_validate_module``), and
+        # an unrelated one
+        fully_shard_py = (
+            Path(torch.__file__).parent / "distributed/fsdp/_fully_shard/_fully_shard.py"
+        )
+        (line,) = [
+            line
+            for line in (
+                '_validate_module(module, "fully_shard")\n',
+                "mesh = mesh or _init_default_fully_shard_mesh()\n",
+            )
+            if line in fully_shard_py.read_text()
+        ]
         new_torch = self.fake_torch(
             "new",
             "9.9.9",
             {
-                "_fully_shard.py": (
-                    '_validate_module(module, "fully_shard")',
-                    '_validate_module(module, "fully_shard")  # upstream change',
-                ),
+                "_fully_shard.py": (line, line.replace("\n", "  # upstream change\n")),
                 "_fsdp_init.py": ("import itertools\n", "import itertools  # upstream change\n"),
             },
         )
@@ -615,6 +625,9 @@ class TestPatchToolingBases(_TempRepoTestCase):
             [p.name for p in series(repo, Path("patches/9.9.9"))], [p.name for p in series(repo)]
         )
         self.assertIn("ab" * 20, (repo / "patches/9.9.9/base.toml").read_text())
+        # The port carries the installed base's own test versions, if any
+        if (own_tests := repo / "test/upstream" / INSTALLED).is_dir():
+            shutil.copytree(own_tests, repo / "test/upstream/9.9.9")
         proc = run(repo, "tools/patches.py", "check", "--base", "9.9.9", "--torch", str(new_torch))
         self.assertSucceeds(proc)
         self.assertIn("ok: bases", proc.stdout)

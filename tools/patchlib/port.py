@@ -133,11 +133,13 @@ def _finish_or_stop(ws: Path, returncode: int) -> None:
     if returncode != 0:
         raise SystemExit(f"error: git rebase failed in {ws}; see `git status` there")
     pdir = PATCHES / state["to"]
-    # A port again keeps what follows [files] (the reasons given for patches
-    # left out with ``git rebase --skip``, excluded requirements); a newly
-    # skipped patch needs its reason added
-    omitted = vendor.read_base(pdir).omitted if (pdir / "base.toml").is_file() else {}
-    write_base_toml(pdir, state["to"], state["commit"], state["files"], base_toml_tail(pdir))
+    # What follows [files] (the reasons for patches left out with ``git rebase
+    # --skip``, excluded requirements) is kept by a port again, and a new base
+    # starts from the old base's: a patch it lacks stays out. A newly skipped
+    # patch needs its reason added
+    tail = base_toml_tail(pdir) or base_toml_tail(PATCHES / state["from"])
+    write_base_toml(pdir, state["to"], state["commit"], state["files"], tail)
+    omitted = vendor.read_base(pdir).omitted
     export_series(ws, pdir)
     to = state["to"]
     carried = set(patch_subjects(pdir))
