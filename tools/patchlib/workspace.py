@@ -100,8 +100,8 @@ def format_series(ws: Path, version: str) -> None:
         check=True,
         capture_output=True,
     )
-    # The project form of the formatted tests (imports from torch_fsdp_ext), into
-    # the base's own version of a test where it has one
+    # The project form of the formatted tests (imports from torch_fsdp_ext),
+    # into the base's own version of a test where it has one
     for path in sorted((ws / vendor.UPSTREAM_TEST_DIR).glob("test_*.py")):
         for source in (UPSTREAM_TESTS / version / path.name, UPSTREAM_TESTS / path.name):
             if source.exists():
