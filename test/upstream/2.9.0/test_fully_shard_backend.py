@@ -10,13 +10,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing._internal.common_fsdp import MLP, get_devtype
+from torch.testing._internal.common_fsdp import MLP
+from torch.testing._internal.common_fsdp import get_devtype
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fsdp_ext import fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch_fsdp_ext import FSDPModule
 from torch_fsdp_ext._fully_shard._fsdp_backend import (
     FSDPBackend,
     get_fsdp_backend,
@@ -25,9 +27,11 @@ from torch_fsdp_ext._fully_shard._fsdp_backend import (
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     _comm_capabilities_cache,
-    _foreach_coalesced,
     _get_comm_capabilities,
     _get_gradient_divide_factors,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    _foreach_coalesced,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
@@ -36,18 +40,6 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
 from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 
 device_type = torch.device(get_devtype())
-
-# The grouped reduce-scatter copy-in: torch 2.15 made it the C++ op
-# ``fsdp::chunk_cat_mixed_dtype`` (mixed gradient dtypes); before, ``fsdp::chunk_cat``
-GROUPED_COPY_IN_OP = (
-    "chunk_cat_mixed_dtype"
-    if hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype")
-    else "chunk_cat"
-)
-# Its namespace: torch's own for the C++ op, this module's for the Python one
-GROUPED_COPY_IN_NS = (
-    "fsdp" if GROUPED_COPY_IN_OP == "chunk_cat_mixed_dtype" else fsdp_lib.ns
-)
 
 
 @contextlib.contextmanager
@@ -257,30 +249,45 @@ class _FakeGroup:
 
 
 class TestFullyShardBackendCapabilities(TestCase):
-    def test_capabilities_asked_once_per_group_and_device_type(self):
+    def test_reduce_ops_asked_once_per_group_and_device_type(self):
         """Tests that a process group's c10d backend is asked once per device
-        type however often FSDP asks (per-parameter collectives ask at every
-        collective), that another group is asked anew, and that the cached
-        entry goes with its group."""
+        type however often FSDP asks (at every gradient reduction), that
+        another group is asked anew, and that the cached entry goes with its
+        group."""
+        meta, cpu = torch.device("meta"), torch.device("cpu")
+        group, other = _FakeGroup(2, _NCCL), _FakeGroup(2, _GLOO)
+        num_entries = len(_comm_capabilities_cache)
+        for _ in range(3):
+            caps = _get_comm_capabilities(group, meta)
+            self.assertEqual((caps.avg, caps.premul_sum), (True, True))
+            caps = _get_comm_capabilities(group, cpu)
+            self.assertEqual((caps.avg, caps.premul_sum), (True, True))
+        self.assertEqual(group.backend_queries, 1)
+        caps = _get_comm_capabilities(other, meta)
+        self.assertEqual((caps.avg, caps.premul_sum), (True, False))
+        self.assertEqual(other.backend_queries, 1)
+        self.assertEqual(len(_comm_capabilities_cache), num_entries + 2)
+        del group, other
+        gc.collect()
+        self.assertEqual(len(_comm_capabilities_cache), num_entries)
+
+    def test_capabilities_asked_once_per_group_and_device_type(self):
+        """Tests that coalescing is read with the reduce ops, once per group
+        and device type (per-parameter collectives ask at every collective)."""
         meta, cpu = torch.device("meta"), torch.device("cpu")
         group, other = _FakeGroup(2, _NCCL), _FakeGroup(2, _TPU)
-        num_entries = len(_comm_capabilities_cache)
         for _ in range(3):
             self.assertEqual(
                 tuple(_get_comm_capabilities(group, meta)), (True, True, True)
             )
             self.assertEqual(
-                tuple(_get_comm_capabilities(group, cpu)), (False, True, False)
+                tuple(_get_comm_capabilities(group, cpu)), (False, True, True)
             )
         self.assertEqual(group.backend_queries, 1)
         self.assertEqual(
             tuple(_get_comm_capabilities(other, meta)), (False, True, True)
         )
         self.assertEqual(other.backend_queries, 1)
-        self.assertEqual(len(_comm_capabilities_cache), num_entries + 2)
-        del group, other
-        gc.collect()
-        self.assertEqual(len(_comm_capabilities_cache), num_entries)
 
     def test_mixed_dtypes_go_one_by_one(self):
         """Tests that pairs of one dtype go out as one coalesced op where the
@@ -303,6 +310,22 @@ class TestFullyShardBackendCapabilities(TestCase):
                 async_op=True,
             )
             self.assertEqual(calls, expected, msg=str(dtypes))
+
+    def test_coalescing_follows_the_process_group(self):
+        """Tests that coalescing comes from the process group's c10d backend
+        for the device (``supports_coalescing``), not from its name: gloo's
+        c10d backend does not report it, and a group without a backend for
+        the device does not coalesce."""
+        meta = torch.device("meta")
+        for backend, expected in (
+            (_NCCL, True),
+            (_XCCL, True),
+            (_TPU, False),
+            (_GLOO, False),
+            (None, False),
+        ):
+            caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
+            self.assertIs(caps.coalescing, expected, msg=backend and backend.name())
 
     def test_registration_overrides_capabilities(self):
         """Tests that a registration for the device type overrides exactly the
@@ -341,23 +364,24 @@ class TestFullyShardBackendCapabilities(TestCase):
         self.assertEqual(tuple(_get_comm_capabilities(group, meta)), (True, True, True))
         self.assertEqual(group.backend_queries, 1)
 
-    def test_capabilities_follow_the_process_group(self):
-        """Tests that coalescing and ``PREMUL_SUM`` come from the process
-        group's c10d backend for the device, not from its name (NCCL, XCCL
-        and an out-of-tree backend have ``PREMUL_SUM``; gloo's c10d backend has
-        no ``PREMUL_SUM`` and, not reporting ``supports_coalescing``, does not
-        coalesce; a group without a backend for the device reports none), the
-        same on any device type."""
+    def test_reduce_ops_follow_the_process_group(self):
+        """Tests that ``PREMUL_SUM`` comes from the process group's c10d
+        backend for the device, not from its name (NCCL, XCCL and an
+        out-of-tree backend have it; gloo's c10d backend has not), that a
+        group without a backend for the device is taken to have it, as FSDP
+        always has, and that ``AVG`` is assumed, the same on any device type."""
         meta = torch.device("meta")
         for backend, expected in (
-            (_NCCL, (True, True, True)),
-            (_XCCL, (True, True, True)),
-            (_TPU, (False, True, True)),
-            (_GLOO, (False, True, False)),
-            (None, (False, True, False)),
+            (_NCCL, (True, True)),
+            (_XCCL, (True, True)),
+            (_TPU, (True, True)),
+            (_GLOO, (True, False)),
+            (None, (True, True)),
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
-            self.assertEqual(tuple(caps), expected, msg=backend and backend.name())
+            self.assertEqual(
+                (caps.avg, caps.premul_sum), expected, msg=backend and backend.name()
+            )
 
     def test_divide_factor_follows_the_process_group(self):
         """Tests that a divide factor reduces with ``PREMUL_SUM`` on NCCL, XCCL
@@ -365,11 +389,11 @@ class TestFullyShardBackendCapabilities(TestCase):
         gloo group, with no registration, and on a real (fake) c10d process
         group; also on a 1-rank gloo mesh, where the reduce-scatter runs as
         well."""
-        for backend in (_NCCL, _XCCL, _TPU):
+        for backend in (_NCCL, _XCCL, _TPU, None):
             op = _get_gradient_divide_factors(
                 _FakeGroup(4, backend), None, torch.float32, "meta", 3.0
             )[2]
-            self.assertNotEqual(op, dist.ReduceOp.SUM, msg=backend.name())
+            self.assertNotEqual(op, dist.ReduceOp.SUM, msg=backend and backend.name())
         factors = _get_gradient_divide_factors(
             _FakeGroup(4, _GLOO), None, torch.float32, "meta", 3.0
         )
@@ -382,9 +406,8 @@ class TestFullyShardBackendCapabilities(TestCase):
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
         try:
             group = dist.group.WORLD
-            self.assertEqual(
-                tuple(_get_comm_capabilities(group, device_type)), (False, True, True)
-            )
+            caps = _get_comm_capabilities(group, device_type)
+            self.assertEqual((caps.avg, caps.premul_sum), (True, True))
             factors = _get_gradient_divide_factors(
                 group, None, torch.float32, device_type.type, 3.0
             )
@@ -533,8 +556,8 @@ class TestFullyShardBackendDefaults(TestCase):
 
     def test_grouped_copy_in_overridable_per_dispatch_key(self):
         """Tests that a backend can replace the grouped copy-in by registering
-        its own kernel of the copy-in op (``fsdp::chunk_cat_mixed_dtype``, or
-        ``fsdp::chunk_cat`` before torch 2.15) for its dispatch key (CPU here,
+        its own kernel of the copy-in op (``fsdp::chunk_cat``) for its
+        dispatch key (CPU here,
         PrivateUse1 for an out-of-tree device), and that destroying the
         registration restores the default kernel."""
         calls = []
@@ -544,7 +567,7 @@ class TestFullyShardBackendDefaults(TestCase):
             torch._chunk_cat(tensors, dim, num_chunks, out=out)
 
         model = fully_shard(MLP(8))
-        with torch.library._scoped_library(GROUPED_COPY_IN_NS, "IMPL") as lib:
+        with torch.library._scoped_library(fsdp_lib.ns, "IMPL") as lib:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Warning only once for all operators")
                 warnings.filterwarnings(
@@ -552,7 +575,7 @@ class TestFullyShardBackendDefaults(TestCase):
                 )
                 # FSDP registers its own Python kernel for the key
                 lib.impl(
-                    GROUPED_COPY_IN_OP,
+                    "chunk_cat",
                     chunk_cat,
                     device_type.type.upper(),
                     allow_override=True,
@@ -590,33 +613,67 @@ class TestFullyShardBackendDefaults(TestCase):
             },
         )
 
-    def test_one_foreach_call_per_group_and_collective(self):
-        """Tests that per parameter each group's comms get one ``foreach`` call
-        per all-gather and per reduce-scatter, with a pair per parameter, and
-        that the default ``foreach`` calls ``__call__`` once per pair; grouped,
-        the reduce-scatter gets one pair (the flat buffer)."""
-        for group_collectives in (False, True):
-            torch.manual_seed(42)
-            model = nn.Sequential(MLP(8), MLP(8))
-            comms = []
-            for mlp in model:
-                fully_shard(mlp, group_collectives=group_collectives)
-                comms.append((ForeachAllGather(), ForeachReduceScatter()))
-                mlp.set_custom_all_gather(comms[-1][0])
-                mlp.set_custom_reduce_scatter(comms[-1][1])
-            fully_shard(model, group_collectives=group_collectives)
-            model(torch.randn(4, 8, device=device_type)).sum().backward()
-            for all_gather, reduce_scatter in comms:
-                if group_collectives:
-                    # upstream's grouped all-gather calls the comm directly
-                    self.assertEqual(all_gather.foreach_pairs, [])
-                    self.assertEqual(reduce_scatter.foreach_pairs, [1])
-                else:
-                    # forward, and backward after resharding; 4 parameters
-                    self.assertEqual(all_gather.foreach_pairs, [4, 4])
-                    self.assertEqual(all_gather.calls, 8)
-                    self.assertEqual(reduce_scatter.foreach_pairs, [4])
-                    self.assertEqual(len(reduce_scatter.input_data_ptrs), 4)
+    def test_grouped_reduce_scatter_is_one_foreach_pair(self):
+        """Tests that grouped, each group's reduce-scatter comm gets one
+        ``foreach`` call with one pair (the flat buffer), which the default
+        ``foreach`` issues with one ``__call__``, and that upstream's grouped
+        all-gather calls the comm directly."""
+        torch.manual_seed(42)
+        model = nn.Sequential(MLP(8), MLP(8))
+        comms = []
+        for mlp in model:
+            fully_shard(mlp)
+            comms.append((ForeachAllGather(), ForeachReduceScatter()))
+            mlp.set_custom_all_gather(comms[-1][0])
+            mlp.set_custom_reduce_scatter(comms[-1][1])
+        fully_shard(model)
+        model(torch.randn(4, 8, device=device_type)).sum().backward()
+        for all_gather, reduce_scatter in comms:
+            self.assertEqual(all_gather.foreach_pairs, [])
+            self.assertEqual(all_gather.calls, 2)
+            self.assertEqual(reduce_scatter.foreach_pairs, [1])
+            self.assertEqual(len(reduce_scatter.input_data_ptrs), 1)
+
+    def test_per_param_reduce_scatter_is_one_foreach_call(self):
+        """Tests that per parameter each group's reduce-scatter comm gets one
+        ``foreach`` call with a pair per parameter, and that the default
+        ``foreach`` calls ``__call__`` once per pair."""
+        for _, reduce_scatter in _per_param_two_blocks_with_foreach_comms():
+            self.assertEqual(reduce_scatter.foreach_pairs, [4])
+            self.assertEqual(len(reduce_scatter.input_data_ptrs), 4)
+
+    def test_per_param_all_gather_is_one_foreach_call(self):
+        """Tests that per parameter each group's all-gather comm gets one
+        ``foreach`` call per all-gather with a pair per parameter (forward,
+        and backward after resharding; 4 parameters)."""
+        for all_gather, _ in _per_param_two_blocks_with_foreach_comms():
+            self.assertEqual(all_gather.foreach_pairs, [4, 4])
+            self.assertEqual(all_gather.calls, 8)
+
+
+def _per_param_two_blocks_with_foreach_comms() -> list[
+    tuple[ForeachAllGather, ForeachReduceScatter]
+]:
+    """Trains one step of two blocks with per-parameter collectives whose comms
+    record their ``foreach`` calls; returns each block's comms."""
+    torch.manual_seed(42)
+    model = nn.Sequential(MLP(8), MLP(8))
+    comms = []
+    for mlp in model:
+        fully_shard(mlp)
+        comms.append((ForeachAllGather(), ForeachReduceScatter()))
+        mlp.set_custom_all_gather(comms[-1][0])
+        mlp.set_custom_reduce_scatter(comms[-1][1])
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # One parameter group per ``fully_shard`` call, none without
+            # parameters of its own
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                group.group_collectives = False
+    model(torch.randn(4, 8, device=device_type)).sum().backward()
+    return comms
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
-from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
+from torch_fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -36,6 +36,88 @@ device_type = torch.device(get_devtype())
 # backend (NCCL on CUDA), as FSDP2's training tests do, skipped without enough
 # accelerators; on CPU, the threaded process group
 _ParityTestCase = FSDPTestMultiThread if device_type.type == "cpu" else FSDPTest
+
+
+class _PairRecordingAllGather(AllGather):
+    def __init__(self):
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.pairs.append((output_tensor, input_tensor))
+
+
+class _PairRecordingReduceScatter(ReduceScatter):
+    def __init__(self):
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.pairs.append((output_tensor, input_tensor))
+
+
+class _OwnMemoryAllGather(DefaultAllGather):
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryOptedInAllGather(_OwnMemoryAllGather):
+    accepts_parameter_output = True
+
+
+class _OwnMemory:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryReduceScatter(_OwnMemory, DefaultReduceScatter):
+    pass
+
+
+class TestFullyShardGroupCollectivesCommAPI(TestCase):
+    def test_own_tensors_opt_in_holds_above_allocate(self):
+        """Tests that receiving FSDP's own tensors instead of ``allocate``'s is
+        opt-in (off on the interfaces, on for the default comms) and holds for
+        subclasses only while they do not override ``allocate``, unless the
+        subclass opts in again itself."""
+        for comm_cls, flag, accepts in (
+            (AllGather, "accepts_parameter_output", False),
+            (ReduceScatter, "accepts_gradient_input", False),
+            (DefaultAllGather, "accepts_parameter_output", True),
+            (DefaultReduceScatter, "accepts_gradient_input", True),
+            (_OwnMemoryAllGather, "accepts_parameter_output", False),
+            (_OwnMemoryOptedInAllGather, "accepts_parameter_output", True),
+            (_OwnMemoryReduceScatter, "accepts_gradient_input", False),
+        ):
+            with self.subTest(comm=comm_cls.__name__):
+                self.assertIs(getattr(comm_cls, flag), accepts)
+
+    def test_default_foreach_calls_each_pair(self):
+        """Tests that the default ``foreach`` calls ``__call__`` once per
+        (output, input) pair, in order, and returns no work."""
+        outputs = [torch.empty(4, device="meta") for _ in range(3)]
+        inputs = [torch.empty(2, device="meta") for _ in range(3)]
+        all_gather = _PairRecordingAllGather()
+        reduce_scatter = _PairRecordingReduceScatter()
+        self.assertIsNone(all_gather.foreach(outputs, inputs, None))
+        self.assertIsNone(
+            reduce_scatter.foreach(inputs, outputs, None, dist.ReduceOp.SUM)
+        )
+        self.assertEqual(
+            [(id(o), id(i)) for o, i in all_gather.pairs],
+            [(id(o), id(i)) for o, i in zip(outputs, inputs, strict=True)],
+        )
+        self.assertEqual(
+            [(id(o), id(i)) for o, i in reduce_scatter.pairs],
+            [(id(o), id(i)) for o, i in zip(inputs, outputs, strict=True)],
+        )
+        with self.assertRaises(ValueError):
+            all_gather.foreach(outputs, inputs[:2], None)
+
 
 _COLLECTIVES = {
     "_allgather_base_": "all_gather",
@@ -136,12 +218,13 @@ class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
             self.assertIn(repr(bad), str(cm.exception))
 
 
-def _two_block_model(**kwargs) -> nn.Module:
+def _two_block_model(group_collectives: bool = True, **kwargs) -> nn.Module:
     torch.manual_seed(42)
     model = nn.Sequential(MLP(8), MLP(8))
     for mlp in model:
         fully_shard(mlp, **kwargs)
     fully_shard(model, **kwargs)
+    _set_group_collectives(model, group_collectives)
     return model
 
 
@@ -174,23 +257,20 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
         torch.manual_seed(42)
         # dim-0 of 7 and 3 do not divide by 2; 8 does
         model = nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 3), nn.Linear(3, 8))
-        fully_shard(model, group_collectives=False)
+        fully_shard(model)
+        _set_group_collectives(model, False)
         recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         self.assertNotIn("chunk_cat", recorder.copies)
         self.assertEqual(recorder.copies["copy_"], 4)
 
     def test_grouped_reduce_scatter_uses_chunk_cat(self):
-        """Tests that the default ``group_collectives=True`` keeps one
-        ``chunk_cat`` copy-in and one reduce-scatter per group."""
+        """Tests that grouped mode (the default) keeps one copy-in
+        (``fsdp::chunk_cat``) and one reduce-scatter per group."""
         model = _two_block_model()
         recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
         self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
-        # torch 2.15 made the copy-in the C++ ``fsdp::chunk_cat_mixed_dtype``
-        copy_ins = (
-            recorder.copies["chunk_cat"] + recorder.copies["chunk_cat_mixed_dtype"]
-        )
-        self.assertEqual(copy_ins, 2)
+        self.assertEqual(recorder.copies["chunk_cat"], 2)
 
 
 class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
@@ -226,7 +306,8 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-        fully_shard(model, mp_policy=mp_policy, group_collectives=False)
+        fully_shard(model, mp_policy=mp_policy)
+        _set_group_collectives(model, False)
         recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         self.assertNotIn("all_gather_copy_in", recorder.copies)
         self.assertNotIn("_foreach_copy_", recorder.copies)
@@ -235,38 +316,6 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         # into its own fp32 reduce-scatter input, with no cast after: 8
         # ``copy_`` in all
         self.assertEqual(recorder.copies, Counter({"_to_copy": 1, "copy_": 8}))
-
-    def test_all_gather_per_param_refuses_custom_output_fn(self):
-        """Tests that ``group_collectives=False`` raises instead of skipping a
-        custom all-gather output function (torch 2.15's per-group hook), and
-        that grouped mode calls it."""
-        calls = []
-        for group_collectives in (False, True):
-            model = _two_block_model(group_collectives=group_collectives)
-            group = _groups(model[0])[0]
-            if not hasattr(group, "_all_gather_output_fn"):
-                self.skipTest(
-                    "torch before 2.15 has no all-gather output function hook"
-                )
-            default_fn = group._all_gather_output_fn
-
-            def output_fn(
-                *args, default_fn=default_fn, group_collectives=group_collectives
-            ):
-                calls.append(group_collectives)
-                default_fn(*args)
-
-            group._all_gather_output_fn = output_fn
-            if group_collectives:
-                model(torch.randn(4, 8, device=device_type)).sum().backward()
-            else:
-                with self.assertRaisesRegex(
-                    NotImplementedError,
-                    "does not run a custom all-gather output function",
-                ):
-                    model(torch.randn(4, 8, device=device_type))
-        self.assertTrue(calls)
-        self.assertNotIn(False, calls)
 
     def test_all_gather_per_param_storage_lives_until_next_copy_out(self):
         """Tests when the per-parameter path frees a block's unsharded
@@ -381,8 +430,9 @@ class TestFullyShardGroupCollectivesRepeatedBlock(_ParityTestCase):
         models = []
         for group_collectives in (False, True):
             model = copy.deepcopy(base)
-            fully_shard(model.block, group_collectives=group_collectives)
-            fully_shard(model, group_collectives=group_collectives)
+            fully_shard(model.block)
+            fully_shard(model)
+            _set_group_collectives(model, group_collectives)
             models.append(model)
         _train_and_compare(self, models, 8)
 
@@ -414,7 +464,7 @@ class TestFullyShardGroupCollectivesParity(_ParityTestCase):
     ):
         models = _copies_of_two_block_model(
             dim,
-            [{"group_collectives": False}, {"group_collectives": True}],
+            [False, True],
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
         )
@@ -430,7 +480,7 @@ class TestFullyShardGroupCollectivesParity(_ParityTestCase):
                 comm = _AllocatingAllGather()
                 models = _copies_of_two_block_model(
                     8,
-                    [{"group_collectives": False}, {"group_collectives": False}],
+                    [False, False],
                     shard_placement_fn=lambda p, s=placement: (
                         s if p.ndim == 2 else None
                     ),
@@ -505,48 +555,21 @@ class _CallRecordingReduceScatter(DefaultReduceScatter):
         self.calls += 1
 
 
-class _OwnMemoryAllGather(DefaultAllGather):
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _OwnMemoryOptedInAllGather(_OwnMemoryAllGather):
-    accepts_parameter_output = True
-
-
-class _OwnMemory:
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _OwnMemoryReduceScatter(_OwnMemory, DefaultReduceScatter):
-    pass
-
-
 class TestFullyShardGroupCollectivesCustomComms(TestCase):
-    def test_fast_paths_hold_only_below_the_class_that_opts_in(self):
-        """Tests that the default comms' fast paths (coalescing through the
-        process group, FSDP's own tensors instead of ``allocate``'s) hold for
-        subclasses only while they do not override what the fast path skips:
-        ``__call__`` for coalescing, ``allocate`` for the tensors, unless the
-        subclass opts in again itself."""
-        for comm_cls, coalesces, accepts in (
-            (DefaultAllGather, True, True),
-            (DefaultReduceScatter, True, True),
-            (_CallRecordingAllGather, False, True),
-            (_CallRecordingReduceScatter, False, True),
-            (_OwnMemoryAllGather, True, False),
-            (_OwnMemoryOptedInAllGather, True, True),
-            (_OwnMemoryReduceScatter, True, False),
+    def test_coalescing_holds_only_below_the_class_that_opts_in(self):
+        """Tests that the default comms' coalescing through the process group
+        holds for subclasses only while they do not override ``__call__``,
+        which it would skip."""
+        for comm_cls, coalesces in (
+            (DefaultAllGather, True),
+            (DefaultReduceScatter, True),
+            (_CallRecordingAllGather, False),
+            (_CallRecordingReduceScatter, False),
+            (_OwnMemoryAllGather, True),
+            (_OwnMemoryReduceScatter, True),
         ):
             with self.subTest(comm=comm_cls.__name__):
-                self.assertEqual(getattr(comm_cls, "_coalesces_call", False), coalesces)
-                self.assertEqual(
-                    getattr(comm_cls, "accepts_parameter_output", None)
-                    or getattr(comm_cls, "accepts_gradient_input", None)
-                    or False,
-                    accepts,
-                )
+                self.assertIs(comm_cls._coalesces_call, coalesces)
 
     def test_overridden_call_runs_where_the_group_coalesces(self):
         """Tests that on a process group that coalesces, the default comms'
@@ -576,7 +599,7 @@ class TestFullyShardGroupCollectivesRuntimeSwitch(_ParityTestCase):
         keeps bitwise parity with a model that always groups, and that the
         switch reaches every parameter group (``recurse=True``) or only the
         module's own (``recurse=False``)."""
-        models = _copies_of_two_block_model(8, [{}, {}])
+        models = _copies_of_two_block_model(8, [True, True])
         model = models[0]
 
         def before_step(step: int):
@@ -703,7 +726,7 @@ class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
         """Tests that with ``DeterministicReduceScatter`` on both sides,
         per-parameter and grouped reduce-scatters give bitwise-equal training
         at world size 4, with uneven sharding and a divide factor."""
-        models = _copies_of_two_block_model(7, [{"group_collectives": False}, {}])
+        models = _copies_of_two_block_model(7, [False, True])
         for model in models:
             for module in (*model, model):
                 module.set_custom_reduce_scatter(DeterministicReduceScatter())
@@ -717,17 +740,27 @@ def _groups(module: nn.Module) -> list:
     return [] if group is None else [group]
 
 
+def _set_group_collectives(model: nn.Module, group_collectives: bool) -> None:
+    """Sets whether every parameter group of ``model`` groups its collectives."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in _groups(module):
+                group.group_collectives = group_collectives
+
+
 def _copies_of_two_block_model(
-    dim: int, per_model_kwargs: list[dict], **common_kwargs
+    dim: int, group_collectives: list[bool], **kwargs
 ) -> list[nn.Module]:
-    """Identically initialized two-block models, each sharded with its own kwargs."""
+    """Identically initialized two-block models, one per ``group_collectives``
+    value, sharded with ``kwargs``."""
     torch.manual_seed(42)
     base = nn.Sequential(MLP(dim), MLP(dim))
     models = []
-    for kwargs in per_model_kwargs:
+    for model_group_collectives in group_collectives:
         model = copy.deepcopy(base)
         for module in (*model, model):
-            fully_shard(module, **common_kwargs, **kwargs)
+            fully_shard(module, **kwargs)
+        _set_group_collectives(model, model_group_collectives)
         models.append(model)
     return models
 
