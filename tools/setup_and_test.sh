@@ -39,9 +39,27 @@ if [[ ! -x $py ]]; then
   python3 -m venv "$venv"
 fi
 echo "== installing torch==$base, requirements.txt and torch_fsdp_ext (editable) into $venv"
+# requirements.txt less the packages that patches/$base/base.toml excludes
+# ([requirements.exclude]: name = why, e.g. a release that needs a newer torch;
+# the tests that need them skip, saying so)
+requirements=$(mktemp)
+trap 'rm -f "$requirements"' EXIT
+python3 - "$base" >"$requirements" <<'PY'
+import re, sys, tomllib
+base = sys.argv[1]
+with open(f"patches/{base}/base.toml", "rb") as f:
+    exclude = tomllib.load(f).get("requirements", {}).get("exclude", {})
+for name, why in exclude.items():
+    print(f"== not installing {name} for torch {base}: {why}", file=sys.stderr)
+for line in open("requirements.txt"):
+    name = re.match(r"\s*([A-Za-z0-9_.-]*)", line).group(1)
+    if name.lower() not in {n.lower() for n in exclude}:
+        sys.stdout.write(line)
+PY
 # Some machines cap torch with a pip constraints file (e.g. at 2.14.1) that
-# would refuse a newer base; the base is pinned exactly here, so lift it
-PIP_CONSTRAINT=/dev/null $py -m pip install -q "torch==$base" -r requirements.txt
+# would refuse a newer base; the base is pinned exactly here (also against a
+# requirement that would upgrade it), so lift it
+PIP_CONSTRAINT=/dev/null $py -m pip install -q "torch==$base" -r "$requirements"
 $py -m pip install -q --no-build-isolation --no-deps -e .
 if ((setup_only)); then
   echo "== generating torch_fsdp_ext/_fully_shard (torch $base)"

@@ -14,14 +14,12 @@ from . import _torch_compat  # noqa: E402, F401
 from ._clip_grad import clip_grad_norm_  # noqa: E402
 from ._fully_shard import (  # noqa: E402
     CPUOffloadPolicy,
-    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
-    share_comm_ctx,
 )
 from ._fully_shard._fsdp_backend import (  # noqa: E402
     FSDPBackend,
@@ -30,16 +28,11 @@ from ._fully_shard._fsdp_backend import (  # noqa: E402
     unregister_fsdp_backend,
 )
 from ._fully_shard._fsdp_collectives import DeterministicReduceScatter  # noqa: E402
-from ._fully_shard._fsdp_common import (  # noqa: E402
-    FSDPMeshInfo,
-    HSDPMeshInfo,
-    ShardPlacementResult,
-)
+from ._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo  # noqa: E402
 
 __all__ = [
     "clip_grad_norm_",
     "CPUOffloadPolicy",
-    "DataParallelMeshDims",
     "DeterministicReduceScatter",
     "FSDPBackend",
     "FSDPMeshInfo",
@@ -51,16 +44,22 @@ __all__ = [
     "OffloadPolicy",
     "register_fsdp_backend",
     "register_fsdp_forward_method",
-    "share_comm_ctx",
-    "ShardPlacementResult",
     "UnshardHandle",
     "unregister_fsdp_backend",
 ]
 
-# New in torch 2.15: the handle of ``FSDPModule.finalize_backward(async_op=True)``
+# What the installed torch's FSDP2 has: ``DataParallelMeshDims``,
+# ``share_comm_ctx`` and ``ShardPlacementResult`` are not in torch 2.9;
+# ``GradientReductionHandle`` (of ``FSDPModule.finalize_backward(async_op=True)``)
+# is new in torch 2.15
 from . import _fully_shard as _vendored  # noqa: E402
+from ._fully_shard import _fsdp_common as _vendored_common  # noqa: E402
 
-if "GradientReductionHandle" in _vendored.__all__:
-    from ._fully_shard import GradientReductionHandle  # noqa: F401
-
-    __all__.append("GradientReductionHandle")
+for _name in ("DataParallelMeshDims", "GradientReductionHandle", "share_comm_ctx"):
+    if _name in _vendored.__all__:
+        globals()[_name] = getattr(_vendored, _name)
+        __all__.append(_name)
+if hasattr(_vendored_common, "ShardPlacementResult"):
+    ShardPlacementResult = _vendored_common.ShardPlacementResult
+    __all__.append("ShardPlacementResult")
+del _name

@@ -14,12 +14,14 @@ working:
   (``test/package/test_interop_compile.py``, graph breaks equal to upstream's);
 - ``torch.distributed.fsdp.fully_shard.state``: :func:`_register_with_pipelining`
   (``test/package/test_interop_pipelining_memtracker.py``, ``REDUCE_GRAD``);
-- ``_fsdp_init._get_managed_modules`` of both ``fully_shard`` and
+- ``_get_managed_modules`` of both ``fully_shard`` (in ``_fsdp_init``, or
+  in ``_fully_shard`` on torch 2.9) and
   ``torch.distributed._composable_state._get_module_state``:
   :func:`_forbid_mixing_with_upstream` (``test/package/test_mixing.py``).
 """
 
 import functools
+import importlib
 
 import torch._dynamo.trace_rules as _trace_rules
 import torch.distributed.fsdp as _upstream_fsdp
@@ -30,6 +32,9 @@ from torch.distributed._composable_state import _get_module_state
 from ._fully_shard import FSDPModule
 from ._fully_shard import _fsdp_init as _ext_init
 from ._fully_shard import _fsdp_state as _ext_state
+
+_upstream_fully_shard = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+_ext_fully_shard = importlib.import_module(f"{__package__}._fully_shard._fully_shard")
 
 
 def _register_with_dynamo() -> None:
@@ -80,30 +85,31 @@ def _forbid_mixing_with_upstream() -> None:
     # overlapping meshes" in fully_shard, or "Invariant encountered: value was
     # None" at the first forward). Fail in fully_shard instead, naming both.
     # The hook is the managed-module lookup both ``fully_shard`` use; no
-    # public one exists.
+    # public one exists. torch 2.9's ``fully_shard`` calls the name it imports
+    # into ``_fully_shard``; later releases call it inside ``_fsdp_init``.
     upstream_name, ext_name = "torch.distributed.fsdp.fully_shard", "torch_fsdp_ext.fully_shard"
-    for init, name, other_state_cls, other_name in (
-        (_upstream_init, upstream_name, _ext_state.FSDPState, ext_name),
-        (_ext_init, ext_name, _upstream_state.FSDPState, upstream_name),
+    for fully_shard_module, init, name, other_state_cls, other_name in (
+        (_upstream_fully_shard, _upstream_init, upstream_name, _ext_state.FSDPState, ext_name),
+        (_ext_fully_shard, _ext_init, ext_name, _upstream_state.FSDPState, upstream_name),
     ):
-        get_managed_modules = init._get_managed_modules
+        owner = fully_shard_module if hasattr(fully_shard_module, "_get_managed_modules") else init
+        get_managed_modules = owner._get_managed_modules
         if getattr(get_managed_modules, "_torch_fsdp_ext_checked", False):
             continue
 
         @functools.wraps(get_managed_modules)
         def checked(
             root_modules,
-            ignored_params=None,
-            is_composable_fn=None,
-            get_state_fn=None,
-            *,
+            *args,
             _get=get_managed_modules,
             _name=name,
             _other_state_cls=other_state_cls,
             _other_name=other_name,
+            **kwargs,
         ):
-            # ``get_state_fn`` is None for fully_shard's own lookup (not
-            # replicate's)
+            # ``get_state_fn`` (torch 2.14 on, 4th argument) is None for
+            # fully_shard's own lookup (not replicate's)
+            get_state_fn = kwargs.get("get_state_fn", args[2] if len(args) > 2 else None)
             if get_state_fn is None:
                 for root in root_modules:
                     for fqn, module in root.named_modules():
@@ -116,10 +122,10 @@ def _forbid_mixing_with_upstream() -> None:
                                 f"({ext_name} with group_collectives=True behaves "
                                 f"as {upstream_name})."
                             )
-            return _get(root_modules, ignored_params, is_composable_fn, get_state_fn)
+            return _get(root_modules, *args, **kwargs)
 
         checked._torch_fsdp_ext_checked = True
-        init._get_managed_modules = checked
+        owner._get_managed_modules = checked
 
 
 _register_with_dynamo()

@@ -54,10 +54,10 @@ def _init_fields(value: Any, cls: type) -> dict[str, Any]:
 
 
 def _from_upstream_dp_mesh_dims(dims: Any) -> Any:
-    if isinstance(dims, upstream_api.DataParallelMeshDims):
-        return _fsdp_api.DataParallelMeshDims(
-            **_init_fields(dims, upstream_api.DataParallelMeshDims)
-        )
+    # torch 2.9's FSDP2 has no DataParallelMeshDims
+    upstream_cls = getattr(upstream_api, "DataParallelMeshDims", None)
+    if upstream_cls is not None and isinstance(dims, upstream_cls):
+        return _fsdp_api.DataParallelMeshDims(**_init_fields(dims, upstream_cls))
     return dims
 
 

@@ -15,6 +15,8 @@ build environments that may not have torch installed.
 from __future__ import annotations
 
 import contextlib
+import email
+import email.policy
 import fcntl
 import hashlib
 import importlib.util
@@ -26,7 +28,7 @@ import subprocess
 import tempfile
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGE = "torch_fsdp_ext"
@@ -64,6 +66,11 @@ class Rewrite:
 # Rewrites turn upstream's module into a relocated copy. Each has an exact count
 # so that an upstream change that moves the target fails generation loudly
 # instead of silently producing a different package.
+# torch 2.9.0's FSDP2 predates per-parameter meshes (no ShardPlacementResult,
+# no DataParallelMeshDims) and constructs the original class from a literal
+# MRO index
+_SINCE_2_14 = ("2.14.1", "2.15.0")
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite(
         "_fsdp_collectives.py",
@@ -78,6 +85,7 @@ REWRITES: tuple[Rewrite, ...] = (
         f"from {PACKAGE}.{VENDORED_NAME}.",
         1,
         "absolute self-imports must resolve to the vendored copy",
+        _SINCE_2_14,
     ),
     *(
         Rewrite(
@@ -99,9 +107,11 @@ REWRITES: tuple[Rewrite, ...] = (
             bases,
         )
         for file, count, bases in (
+            ("_fsdp_collectives.py", 4, ("2.9.0",)),
             ("_fsdp_collectives.py", 4, ("2.14.1",)),
             ("_fsdp_collectives.py", 5, ("2.15.0",)),
-            ("_fsdp_param.py", 2, None),
+            ("_fsdp_param.py", 2, _SINCE_2_14),
+            ("_fsdp_param.py", 3, ("2.9.0",)),
         )
     ),
     Rewrite(
@@ -133,6 +143,16 @@ REWRITES: tuple[Rewrite, ...] = (
         1,
         "the upstream base class adds one entry to the MRO: "
         "[FSDP<Orig>, FSDPModule, upstream FSDPModule, Orig, ...]",
+        _SINCE_2_14,
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        "        orig_cls = cls.__mro__[2]\n",
+        "        orig_cls = cls.__mro__[3]\n",
+        1,
+        "the upstream base class adds one entry to the MRO: "
+        "[FSDP<Orig>, FSDPModule, upstream FSDPModule, Orig, ...]",
+        ("2.9.0",),
     ),
     Rewrite(
         "_fully_shard.py",
@@ -151,6 +171,7 @@ REWRITES: tuple[Rewrite, ...] = (
         '    raise ValueError(f"Invalid shard_placement_fn result: {result}")\n',
         1,
         "torchtitan-style code returns torch's own ShardPlacementResult",
+        _SINCE_2_14,
     ),
     Rewrite(
         "_fully_shard.py",
@@ -164,6 +185,20 @@ REWRITES: tuple[Rewrite, ...] = (
         "torch's own CPUOffloadPolicy would fail the copy's isinstance checks and "
         "silently not offload; its MixedPrecisionPolicy and DataParallelMeshDims "
         "become ours too",
+        _SINCE_2_14,
+    ),
+    Rewrite(
+        "_fully_shard.py",
+        '    torch._C._log_api_usage_once("torch.distributed.fsdp.fully_shard")\n',
+        '    torch._C._log_api_usage_once("torch.distributed.fsdp.fully_shard")\n'
+        f"    from {PACKAGE}._upstream_types import from_upstream_fully_shard_args\n\n"
+        "    mp_policy, offload_policy, _ = from_upstream_fully_shard_args(\n"
+        "        mp_policy, offload_policy, None\n"
+        "    )\n",
+        1,
+        "torch's own CPUOffloadPolicy would fail the copy's isinstance checks and "
+        "silently not offload; its MixedPrecisionPolicy becomes ours too",
+        ("2.9.0",),
     ),
 )
 
@@ -183,6 +218,9 @@ class Base:
     torch_version: str
     commit: str
     files: dict[str, str]  # upstream path -> sha256
+    # Subject -> reason, for each patch of the primary base's series that this
+    # base leaves out (``[series.omitted]``; only a port to another release may)
+    omitted: dict[str, str] = field(default_factory=dict)
 
 
 def patches_root() -> Path:
@@ -232,7 +270,12 @@ def patches_dir(version: str, root: Path | None = None) -> Path:
 def read_base(pdir: Path) -> Base:
     with open(pdir / "base.toml", "rb") as f:
         data = tomllib.load(f)
-    return Base(data["torch"]["version"], data["torch"]["commit"], dict(data["files"]))
+    return Base(
+        data["torch"]["version"],
+        data["torch"]["commit"],
+        dict(data["files"]),
+        dict(data.get("series", {}).get("omitted", {})),
+    )
 
 
 def read_series(pdir: Path) -> list[Path]:
@@ -245,6 +288,41 @@ def read_series(pdir: Path) -> list[Path]:
     if missing:
         raise VendorError(f"{pdir / 'series'} lists missing patches: {missing}")
     return [pdir / n for n in names]
+
+
+def patch_subject(patch: Path) -> str:
+    """The ``Subject:`` of a ``git format-patch`` file, without ``[PATCH]``."""
+    with open(patch, "rb") as f:
+        subject = email.message_from_binary_file(f, policy=email.policy.default)["Subject"]
+    return subject.removeprefix("[PATCH] ")
+
+
+def created_test_files(patch: Path) -> list[str]:
+    """The upstream-path tests that ``patch`` creates (``new file mode``)."""
+    created = []
+    for chunk in patch.read_text().split("\ndiff --git a/")[1:]:
+        path = chunk.split(" ", 1)[0]
+        header = chunk.split("\n@@", 1)[0]
+        if path.startswith(f"{UPSTREAM_TEST_DIR}/") and "\nnew file mode" in header:
+            created.append(path)
+    return created
+
+
+def omitted_tests(version: str, root: Path | None = None) -> dict[str, tuple[str, str]]:
+    """Upstream test path -> (subject, reason), for each test created by a
+    primary patch that the base ``version`` leaves out: that base neither
+    carries nor runs it."""
+    root = patches_root() if root is None else root
+    omitted = read_base(patches_dir(version, root)).omitted
+    if not omitted:
+        return {}
+    tests = {}
+    for patch in read_series(patches_dir(primary_version(root), root)):
+        subject = patch_subject(patch)
+        if subject in omitted:
+            for path in created_test_files(patch):
+                tests[path] = (subject, omitted[subject])
+    return tests
 
 
 def torch_root() -> Path:

@@ -136,9 +136,13 @@ def _to_ext(value: Any) -> Any:
         (_upstream_fsdp.MixedPrecisionPolicy, torch_fsdp_ext.MixedPrecisionPolicy),
         (_upstream_fsdp.CPUOffloadPolicy, torch_fsdp_ext.CPUOffloadPolicy),
         (_upstream_fsdp.OffloadPolicy, torch_fsdp_ext.OffloadPolicy),
-        (_upstream_fsdp.DataParallelMeshDims, torch_fsdp_ext.DataParallelMeshDims),
+        # Not in torch 2.9
+        (
+            getattr(_upstream_fsdp, "DataParallelMeshDims", None),
+            getattr(torch_fsdp_ext, "DataParallelMeshDims", None),
+        ),
     ):
-        if type(value) is upstream_cls:
+        if upstream_cls is not None and type(value) is upstream_cls:
             fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
             return ext_cls(**fields)
     return value

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import os
 import sys
+import unittest
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
@@ -36,6 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
+from torch_fsdp_ext import _vendor as vendor
 
 # The tests take the residual MLP stack from here; it lives in _testing, shared with the bench
 from torch_fsdp_ext._testing.models import Block, Model  # noqa: F401
@@ -257,7 +259,7 @@ UPSTREAM = SimpleNamespace(
     FSDPModule=upstream_fsdp.FSDPModule,
     FSDPMeshInfo=upstream_common.FSDPMeshInfo,
     # None on torch 2.11, where only the GPU lane's carried copy runs
-    # (tools/carried/), with no upstream comparison
+    # (tools/carried/), with no upstream comparison, and on torch 2.9
     ShardPlacementResult=getattr(upstream_common, "ShardPlacementResult", None),
 )
 EXT = SimpleNamespace(
@@ -267,8 +269,37 @@ EXT = SimpleNamespace(
     CPUOffloadPolicy=torch_fsdp_ext.CPUOffloadPolicy,
     FSDPModule=torch_fsdp_ext.FSDPModule,
     FSDPMeshInfo=torch_fsdp_ext.FSDPMeshInfo,
-    ShardPlacementResult=torch_fsdp_ext.ShardPlacementResult,
+    # None where the base omits per-parameter meshes (torch 2.9.0)
+    ShardPlacementResult=getattr(torch_fsdp_ext, "ShardPlacementResult", None),
 )
+
+
+def omitted_patch_reason(subject_prefix: str) -> str | None:
+    """Why the installed torch's series leaves out the primary patch whose
+    subject starts with ``subject_prefix`` (``[series.omitted]`` in its
+    base.toml), as a skip reason; None if it carries the patch."""
+    release = vendor.installed_release()
+    omitted = vendor.read_base(vendor.patches_dir(release)).omitted
+    for subject, reason in omitted.items():
+        if subject.startswith(subject_prefix):
+            return f"torch {release}'s series leaves out {subject!r}: {reason}"
+    return None
+
+
+# For tests of per-parameter meshes (``ShardPlacementResult(mesh=...)``)
+PER_PARAM_MESHES_OMITTED = omitted_patch_reason("[FSDP2] Per-parameter meshes")
+requires_per_param_meshes = unittest.skipIf(
+    PER_PARAM_MESHES_OMITTED is not None, PER_PARAM_MESHES_OMITTED or ""
+)
+
+
+def param_groups(module: nn.Module) -> list[Any]:
+    """The parameter groups of the FSDP state of ``module``: several with
+    per-parameter meshes (torch 2.14 on), at most one on torch 2.9."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
 
 
 def fsdp_modules(model: nn.Module) -> list[Any]:
@@ -398,13 +429,16 @@ class ParityMixin:
                     "shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None
                 }
             ),
-            "per_param_mesh": self._per_param_mesh_config,
             "grad_accumulation_no_sync": lambda: ParityConfig(
                 train_kwargs={"microbatches": 3, "no_sync_microbatches": True}
             ),
             # dim-0 sizes not divisible by the world size: padded shards
             "uneven_dim0": lambda: ParityConfig(dim=15, hidden=21),
         }
+        if PER_PARAM_MESHES_OMITTED is None:
+            # Not on a base that leaves out per-parameter meshes (torch 2.9.0,
+            # where upstream has no ShardPlacementResult either)
+            configs["per_param_mesh"] = self._per_param_mesh_config
         if "param_dtype_override_fn" in {f.name for f in fields(UPSTREAM.MixedPrecisionPolicy)}:
             # torch >= 2.15: per-parameter param dtypes, so one group reduces
             # bf16 and fp32 gradients together (in their promoted dtype)

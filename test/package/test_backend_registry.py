@@ -21,6 +21,7 @@ from common_fsdp_ext import (
     ParityConfig,
     ParityMixin,
     on_fsdp_modules,
+    param_groups,
     registered_fsdp_backend,
     train_in_lockstep,
 )
@@ -67,7 +68,7 @@ class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
         with registered_fsdp_backend("cpu", backend):
             model = torch_fsdp_ext.fully_shard(torch.nn.Linear(8, 8))
             model(torch.randn(2, 8)).sum().backward()
-            self.assertFalse(model._get_fsdp_state()._fsdp_param_groups[0].group_collectives)
+            self.assertFalse(param_groups(model)[0].group_collectives)
         self.assertIsNone(torch_fsdp_ext.get_fsdp_backend("cpu"))
         self.check_parity(ParityConfig(), (EXT, {}), (UPSTREAM, {}))
 
@@ -153,7 +154,7 @@ class _TPUExampleParity(ParityMixin):
         # reduce-scatter, with a pair per parameter, no per-tensor call, and
         # only tensors from their own ``allocate``
         for module in (*models[0].blocks, models[0]):
-            (group,) = module._get_fsdp_state()._fsdp_param_groups
+            (group,) = param_groups(module)
             num_params = len(group.fsdp_params)
             ag, rs = group._all_gather_comm, group._reduce_scatter_comm
             # Forward, and again in backward unless the root (no reshard)

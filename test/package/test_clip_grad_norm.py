@@ -14,13 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_fsdp_ext import assert_matches_reference, assert_model_matches_reference
+from common_fsdp_ext import (
+    EXT,
+    assert_matches_reference,
+    assert_model_matches_reference,
+    requires_per_param_meshes,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread
 from torch.testing._internal.common_utils import run_tests
 
-from torch_fsdp_ext import ShardPlacementResult, clip_grad_norm_, fully_shard
+from torch_fsdp_ext import clip_grad_norm_, fully_shard
 
 DIM = 8
 
@@ -46,9 +51,10 @@ class TinyMoE(nn.Module):
 
 
 def _experts_on(mesh: DeviceMesh):
-    return lambda p: ShardPlacementResult(Shard(1), mesh=mesh) if p.ndim == 3 else None
+    return lambda p: EXT.ShardPlacementResult(Shard(1), mesh=mesh) if p.ndim == 3 else None
 
 
+@requires_per_param_meshes
 class TestClipGradNormAcrossMeshes(FSDPTestMultiThread):
     @property
     def world_size(self) -> int:

@@ -8,6 +8,7 @@ Run: ``python -m pytest test/package/test_interop_pipelining_memtracker.py``.
 from __future__ import annotations
 
 import gc
+import unittest
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleI
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
+from torch_fsdp_ext._vendor import release
 
 
 class StageModule(nn.Module):
@@ -48,6 +50,12 @@ class StageModule(nn.Module):
         return self.out(x) if self.out is not None else x
 
 
+@unittest.skipIf(
+    release(torch.__version__) == "2.9.0",
+    "torch 2.9.0's pipelining fails these schedules with torch's own fully_shard "
+    "too (gloo aborts rank 1 in the first step: \"Received data size doesn't match "
+    'expected size. 8 vs 4"), so there is no upstream result to compare with',
+)
 class TestFullyShardPipelining(FSDPExtTestMultiProcess, ParityMixin):
     def test_pipeline_schedules_match_upstream(self):
         """Tests that pipelining schedules take their FSDP branches for the

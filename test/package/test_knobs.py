@@ -30,6 +30,7 @@ from common_fsdp_ext import (
     assert_models_bitwise_equal,
     on_fsdp_modules,
     registered_fsdp_backend,
+    requires_per_param_meshes,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
@@ -143,7 +144,6 @@ KNOBS_W2 = [
             )
         },
     ),
-    Knob("per-param mesh", _second_mesh_for_hidden_weights),
     Knob("set_requires_gradient_sync(False) microbatches", microbatches=2, no_sync=True),
     Knob(
         "set_is_last_backward on the last microbatch",
@@ -252,6 +252,11 @@ class TestFullyShardKnobTable(_KnobTable):
         per-parameter one by one and per-parameter coalesced give the same
         losses and sharded parameters, bit for bit, over 3 AdamW steps."""
         self._check_knobs(KNOBS_W2)
+
+    @requires_per_param_meshes
+    def test_per_param_mesh_same_bits_in_every_mode(self):
+        """Tests the same for a second mesh for the blocks' first weights."""
+        self._check_knobs([Knob("per-param mesh", _second_mesh_for_hidden_weights)])
 
 
 class TestFullyShardKnobTableW4(_KnobTable):

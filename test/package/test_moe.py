@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from common_fsdp_ext import (
     DEVICE_TYPE,
+    PER_PARAM_MESHES_OMITTED,
     FSDPExtTestMultiProcess,
     assert_bitwise_equal,
     assert_model_matches_reference,
@@ -40,6 +41,12 @@ from torch_fsdp_ext import FSDPBackend
 from torch_fsdp_ext._testing import moe
 
 ARGS = moe.MoEArgs()
+
+# Every test compares wrappings that put the experts on the efsdp mesh with
+# ``ShardPlacementResult(mesh=...)``
+pytestmark = pytest.mark.skipif(
+    PER_PARAM_MESHES_OMITTED is not None, reason=PER_PARAM_MESHES_OMITTED or ""
+)
 
 
 class MoEMixin:

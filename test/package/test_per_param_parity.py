@@ -19,6 +19,7 @@ from common_fsdp_ext import (
     ParityMixin,
     assert_model_matches_reference,
     on_fsdp_modules,
+    param_groups,
 )
 from torch.testing._internal.common_utils import run_tests
 
@@ -91,7 +92,7 @@ class TestFullyShardPerParamParity(ParityMixin, FSDPExtTestMultiProcess):
 def _set_deterministic_reduce_scatter(module) -> None:
     # Set per group: set_custom_reduce_scatter refuses modules with several
     # groups (per-parameter meshes), but this comm is stateless
-    for group in module._get_fsdp_state()._fsdp_param_groups:
+    for group in param_groups(module):
         group._reduce_scatter_comm = DeterministicReduceScatter()
 
 

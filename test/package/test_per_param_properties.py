@@ -41,7 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_fsdp_ext import assert_bitwise_equal
+from common_fsdp_ext import assert_bitwise_equal, param_groups
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Shard
@@ -239,7 +239,7 @@ class TestFullyShardPerParamProperties(FSDPTestMultiThread):
         per_param, grouped = self._build_models(example)
         for model, group_collectives in ((per_param, False), (grouped, True)):
             modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-            groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+            groups = [g for m in modules for g in param_groups(m)]
             expected_groups = 1 + (0 < example.num_child_params < len(example.shapes))
             if len(groups) != expected_groups or any(
                 g.group_collectives is not group_collectives for g in groups

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp as upstream_fsdp
 import torch.distributed.fsdp._fully_shard._fsdp_common as _upstream_common
 import torch.nn as nn
+from common_fsdp_ext import param_groups, requires_per_param_meshes
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
@@ -24,8 +25,9 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
 
     def test_exports_every_upstream_fsdp2_name(self):
         """Tests that every FSDP2 name of ``torch.distributed.fsdp`` is exported,
-        plus ``ShardPlacementResult``, ``FSDPMeshInfo``, ``HSDPMeshInfo``,
-        ``DeterministicReduceScatter``, the backend registry and ``clip_grad_norm_``."""
+        plus ``ShardPlacementResult`` (where the base has per-parameter meshes),
+        ``FSDPMeshInfo``, ``HSDPMeshInfo``, ``DeterministicReduceScatter``, the
+        backend registry and ``clip_grad_norm_``."""
         fsdp2_names = {
             name
             for name in upstream_fsdp.__all__
@@ -34,7 +36,6 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
         }
         self.assertIn("fully_shard", fsdp2_names)
         extra = {
-            "ShardPlacementResult",
             "FSDPMeshInfo",
             "HSDPMeshInfo",
             "DeterministicReduceScatter",
@@ -44,10 +45,13 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
             "unregister_fsdp_backend",
             "clip_grad_norm_",
         }
+        if hasattr(_fsdp_common, "ShardPlacementResult"):
+            extra.add("ShardPlacementResult")
         self.assertEqual(set(torch_fsdp_ext.__all__), fsdp2_names | extra)
         for name in torch_fsdp_ext.__all__:
             self.assertTrue(hasattr(torch_fsdp_ext, name), name)
-        self.assertIs(torch_fsdp_ext.ShardPlacementResult, _fsdp_common.ShardPlacementResult)
+        if "ShardPlacementResult" in extra:
+            self.assertIs(torch_fsdp_ext.ShardPlacementResult, _fsdp_common.ShardPlacementResult)
 
     def test_sharded_module_is_upstream_fsdp_module(self):
         """Tests that a module sharded by ``torch_fsdp_ext.fully_shard`` is an
@@ -65,6 +69,7 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
         self.assertIs(type(model[0]).__new__(type(model[0]), 8).__class__, MLP)
         self.assertIsNot(torch_fsdp_ext.FSDPModule, upstream_fsdp.FSDPModule)
 
+    @requires_per_param_meshes
     def test_accepts_upstream_shard_placement_result(self):
         """Tests that ``torch_fsdp_ext.fully_shard`` takes torch's own
         ``ShardPlacementResult``/``FSDPMeshInfo`` (as torchtitan builds them),
@@ -84,7 +89,7 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
                     else None
                 ),
             )
-            self.assertEqual(len(model._get_fsdp_state()._fsdp_param_groups), 2)
+            self.assertEqual(len(param_groups(model)), 2)
             self.assertEqual(model.in_proj.weight.device_mesh, other_mesh)
             model(torch.ones(2, 8)).sum().backward()
             results.append([p.grad.to_local() for p in model.parameters()])

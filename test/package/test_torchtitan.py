@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip(
     "torchtitan",
-    reason="torchtitan is not installed (pip install -r requirements.txt pins torchtitan==0.3.0)",
+    reason="torchtitan is not importable (requirements.txt pins torchtitan==0.3.0; a base may "
+    "exclude it: [requirements.exclude] in patches/<version>/base.toml)",
 )
 
 import torch.distributed.fsdp as upstream_fsdp  # noqa: E402
@@ -29,6 +30,7 @@ from common_fsdp_ext import (  # noqa: E402
     FakeProcessGroupTestCase,
     FSDPExtTestMultiProcess,
     assert_bitwise_equal,
+    param_groups,
 )
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.testing._internal.common_utils import TestCase, run_tests  # noqa: E402
@@ -218,7 +220,7 @@ class ThreeWayMixin:
                 ours = isinstance(module, torch_fsdp_ext.FSDPModule)
                 self.assertEqual(ours, settings is not None, msg=f"{name}: {type(module)}")
                 if ours:
-                    for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for group in param_groups(module):
                         self.assertEqual(group.group_collectives, settings.group_collectives)
         self.assertEqual(len(set(units.values())), 1, units)
 

@@ -35,7 +35,8 @@ import torch
 
 pytest.importorskip(
     "torchtitan",
-    reason="torchtitan is not installed (pip install -r requirements.txt pins torchtitan==0.3.0)",
+    reason="torchtitan is not importable (requirements.txt pins torchtitan==0.3.0; a base may "
+    "exclude it: [requirements.exclude] in patches/<version>/base.toml)",
 )
 
 import torch.distributed.fsdp as upstream_fsdp
@@ -74,8 +75,9 @@ try:
         convert_to_float8_training,
         precompute_float8_dynamic_scale_for_fsdp,
     )
-except ImportError:  # torchao is optional (not in requirements.txt)
+except ImportError as e:  # optional: a base may exclude it (patches/<version>/base.toml)
     convert_to_float8_training = None
+    TORCHAO_MISSING = f"torchao is not importable ({e})"
 
 # The three arms: the implementation and its extra ``fully_shard`` kwargs
 ARMS: dict[str, tuple[SimpleNamespace, dict[str, Any]]] = {
@@ -642,7 +644,7 @@ def float8_mlp() -> nn.Module:
     return model
 
 
-@unittest.skipIf(convert_to_float8_training is None, "torchao is not installed")
+@unittest.skipIf(convert_to_float8_training is None, globals().get("TORCHAO_MISSING", ""))
 class TestFullyShardTorchtitanFloat8AllGather(FSDPTestMultiThread):
     @property
     def world_size(self) -> int:

@@ -56,6 +56,8 @@ class TestCarriedBaseStandIns(TestCase):
     def test_grad_tensors_match_torch(self, case: str):
         """Tests that collecting and replacing the tensors that require grad
         visits them in torch's order and rebuilds the same structure."""
+        if not hasattr(fsdp_common_utils, "collect_grad_tensors"):
+            self.skipTest(f"torch {torch.__version__} has no collect_grad_tensors to compare with")
         output = _nested_outputs()[case]
         expected = fsdp_common_utils.collect_grad_tensors(output)
         actual = stand_ins._collect_grad_tensors(output)

@@ -27,6 +27,8 @@ import torch
 from packaging.requirements import Requirement
 from torch.testing._internal.common_utils import TestCase, run_tests
 
+from torch_fsdp_ext._vendor import patch_subject
+
 REPO = Path(__file__).resolve().parents[2]
 # The series of the installed torch, relative to a repository copy
 INSTALLED = torch.__version__.split("+", 1)[0]
@@ -38,6 +40,8 @@ LAYOUT = (
     "torch_fsdp_ext/_vendor.py",
     "torch_fsdp_ext/__init__.py",
     "torch_fsdp_ext/_upstream_types.py",
+    "torch_fsdp_ext/_torch_compat.py",
+    "torch_fsdp_ext/_clip_grad.py",
     "torch_fsdp_ext/_testing",
     "test/upstream",
     "test/conftest.py",
@@ -346,7 +350,7 @@ class TestPatchToolingWorkspace(_TempRepoTestCase):
         name = "test_fully_shard_cpu_offload.py"
         common = repo / "test" / "upstream" / name
         own = repo / "test" / "upstream" / INSTALLED / name
-        own.parent.mkdir()
+        own.parent.mkdir(exist_ok=True)  # 2.9.0 and 2.14.1 have copies of their own
         own.write_text(common.read_text().replace("def test_", "def test_own_", 1))
         before = common.read_text()
         ws = self.tmp / "ws"
@@ -519,8 +523,20 @@ class TestPatchToolingImport(_TempRepoTestCase):
 class TestPatchToolingBases(_TempRepoTestCase):
     """Several torch bases side by side: selection, agreement between bases, porting."""
 
-    # Every torch release published as of 2026-12-01 from 2.11 on (pip index versions torch)
-    PUBLISHED = ("2.11.0", "2.12.0", "2.12.1", "2.13.0", "2.14.0", "2.14.1", "2.15.0")
+    # Every torch release published as of 2026-12-04 from 2.8 on (pip index versions torch)
+    PUBLISHED = (
+        "2.8.0",
+        "2.9.0",
+        "2.9.1",
+        "2.10.0",
+        "2.11.0",
+        "2.12.0",
+        "2.12.1",
+        "2.13.0",
+        "2.14.0",
+        "2.14.1",
+        "2.15.0",
+    )
 
     def test_pyproject_range_is_exactly_the_supported_releases(self):
         """Tests that pip may choose a published torch release iff import supports it."""
@@ -535,14 +551,48 @@ class TestPatchToolingBases(_TempRepoTestCase):
                 self.assertEqual(version in spec, version in supported)
 
     def add_base(self, repo: Path, version: str) -> Path:
-        """A copy of the installed torch's series under another version."""
+        """A copy of the installed torch's series (and its own test versions)
+        under another version."""
         pdir = repo / "patches" / version
         shutil.copytree(repo / PDIR, pdir)
         base = pdir / "base.toml"
         base.write_text(
             re.sub(r'^version = "[^"]+"', f'version = "{version}"', base.read_text(), flags=re.M)
         )
+        if (own_tests := repo / "test/upstream" / INSTALLED).is_dir():
+            shutil.copytree(own_tests, repo / "test/upstream" / version)
         return pdir
+
+    def test_base_missing_a_patch_needs_a_reason(self):
+        """Tests that ``patches.py check`` fails, naming the patch and the fix,
+        when a base lacks one of the primary base's patches, and passes once its
+        base.toml gives the reason under ``[series.omitted]``; the tests that
+        patch creates are then not required."""
+        repo = self.new_repo(vendored=True)
+        pdir = self.add_base(repo, "9.9.9")
+        test = "test_fully_shard_cpu_offload.py"
+        (patch,) = [p for p in series(repo, pdir.relative_to(repo)) if test in p.read_text()]
+        subject = patch_subject(patch)
+        names = (pdir / "series").read_text().splitlines(True)
+        (pdir / "series").write_text("".join(n for n in names if n.strip() != patch.name))
+        patch.unlink()
+        proc = run(repo, "tools/patches.py", "check")
+        self.assertFails(
+            proc, f"patches/9.9.9 lacks the primary base's patch {subject!r}", "[series.omitted]"
+        )
+        base = pdir / "base.toml"
+        entry = f'"{subject}" = "its premise does not exist in torch 9.9.9"\n'
+        text = base.read_text()
+        if "[series.omitted]\n" in text:
+            text = text.replace("[series.omitted]\n", "[series.omitted]\n" + entry)
+        else:
+            text += "\n[series.omitted]\n" + entry
+        base.write_text(text)
+        self.assertSucceeds(run(repo, "tools/patches.py", "check"))
+        # A reason must say something
+        base.write_text(text.replace("its premise does not exist in torch 9.9.9", " "))
+        proc = run(repo, "tools/patches.py", "check")
+        self.assertFails(proc, f"omits [{subject!r}] without a reason")
 
     def test_bases_with_other_subjects_fail(self):
         """Tests that ``patches.py check`` fails when one base's series has another patch subject."""
@@ -559,9 +609,11 @@ class TestPatchToolingBases(_TempRepoTestCase):
         """Tests that ``patches.py check`` fails when a base's series carries a test other than test/upstream/."""
         repo = self.new_repo(vendored=True)
         self.add_base(repo, "9.9.9")
-        (test,) = [p for p in (repo / "test/upstream").glob("test_*.py")][:1]
-        (repo / "test/upstream" / "9.9.9").mkdir()
-        (repo / "test/upstream" / "9.9.9" / test.name).write_text(test.read_text() + "# 9.9.9\n")
+        # A test every base carries
+        test = repo / "test/upstream/test_fully_shard_cpu_offload.py"
+        own = repo / "test/upstream" / "9.9.9" / test.name
+        own.parent.mkdir(exist_ok=True)
+        own.write_text(test.read_text() + "# 9.9.9\n")
         proc = run(repo, "tools/patches.py", "check")
         self.assertFails(proc, f"{test.name} in patches/9.9.9 differs", "sync-tests")
         self.assertNotIn(f"in patches/{INSTALLED} differs", proc.stdout)
@@ -591,15 +643,25 @@ class TestPatchToolingBases(_TempRepoTestCase):
         """Tests that ``patches.py port`` rebases the series onto a new torch, stops at a conflicting
         upstream change, and after the conflict is resolved writes a base that checks clean."""
         repo = self.new_repo(vendored=True)
-        # An upstream rewrite of a line the first patch changes, and an unrelated one
+        # An upstream rewrite of a line next to one the series adds (the
+        # group_collectives check; torch 2.9 has no ``_validate_module``), and
+        # an unrelated one
+        fully_shard_py = (
+            Path(torch.__file__).parent / "distributed/fsdp/_fully_shard/_fully_shard.py"
+        )
+        (line,) = [
+            line
+            for line in (
+                '_validate_module(module, "fully_shard")\n',
+                "mesh = mesh or _init_default_fully_shard_mesh()\n",
+            )
+            if line in fully_shard_py.read_text()
+        ]
         new_torch = self.fake_torch(
             "new",
             "9.9.9",
             {
-                "_fully_shard.py": (
-                    '_validate_module(module, "fully_shard")',
-                    '_validate_module(module, "fully_shard")  # upstream change',
-                ),
+                "_fully_shard.py": (line, line.replace("\n", "  # upstream change\n")),
                 "_fsdp_init.py": ("import itertools\n", "import itertools  # upstream change\n"),
             },
         )
@@ -626,6 +688,9 @@ class TestPatchToolingBases(_TempRepoTestCase):
             [p.name for p in series(repo, Path("patches/9.9.9"))], [p.name for p in series(repo)]
         )
         self.assertIn("ab" * 20, (repo / "patches/9.9.9/base.toml").read_text())
+        # The port carries the installed base's own test versions, if any
+        if (own_tests := repo / "test/upstream" / INSTALLED).is_dir():
+            shutil.copytree(own_tests, repo / "test/upstream/9.9.9")
         proc = run(repo, "tools/patches.py", "check", "--base", "9.9.9", "--torch", str(new_torch))
         self.assertSucceeds(proc)
         self.assertIn("ok: bases", proc.stdout)
@@ -637,7 +702,7 @@ class TestPatchToolingBases(_TempRepoTestCase):
         repo = self.new_repo(vendored=True)
         name = "test_fully_shard_backend.py"
         for version, test in ((INSTALLED, "test_this_base"), ("9.9.9", "test_other_base")):
-            (repo / "test/upstream" / version).mkdir()
+            (repo / "test/upstream" / version).mkdir(exist_ok=True)
             (repo / "test/upstream" / version / name).write_text(f"def {test}():\n    pass\n")
         proc = run(
             repo, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "test/upstream"
@@ -646,7 +711,8 @@ class TestPatchToolingBases(_TempRepoTestCase):
         self.assertIn(f"test/upstream/{INSTALLED}/{name}::test_this_base", proc.stdout)
         self.assertNotIn("test_other_base", proc.stdout)
         self.assertNotIn(f"test/upstream/{name}::", proc.stdout)
-        self.assertIn("test/upstream/test_fully_shard_group_collectives.py::", proc.stdout)
+        # A common test that no base has its own version of
+        self.assertIn("test/upstream/test_fully_shard_cpu_offload.py::", proc.stdout)
 
     def test_rewrite_count_drift_fails_generation(self):
         """Tests that a rewrite whose target occurs another number of times fails generation loudly."""
@@ -716,10 +782,13 @@ class TestPatchToolingStack(_TempRepoTestCase):
         repo = self.new_repo()
         first = series(repo)[0]
         text = first.read_text()
-        self.assertIn("+            self.assertTrue(torch.equal(", text)
-        first.write_text(
-            text.replace("self.assertTrue(torch.equal(", "self.assertFalse(torch.equal(")
+        # The first assertTrue/assertFalse that the patch's test adds, negated
+        match = re.search(r"^\+ +self\.assert(True|False)\(", text, re.M)
+        self.assertIsNotNone(match)
+        negated = match.group(0).replace(
+            match.group(1), "False" if match.group(1) == "True" else "True"
         )
+        first.write_text(text[: match.start()] + negated + text[match.end() :])
         proc = run(repo, "tools/patches.py", "stack")
         self.assertFails(proc, f"{first.name}: 1 failed", "tests fail at position 1 of patches/")
         self.assertNotIn(series(repo)[1].name, proc.stdout)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import bench
+import torch_fsdp_ext
 
 from .measure import RunConfig
 from .models import MODELS
@@ -70,6 +71,13 @@ def _plan(args: argparse.Namespace) -> list[RunConfig]:
             )
             if args.mp != "fp32" and "moe" in run_models:
                 log.info("--mp %s: skipping moe (it runs in fp32 only)", args.mp)
+                run_models = [name for name in run_models if name != "moe"]
+            if "moe" in run_models and not hasattr(torch_fsdp_ext, "ShardPlacementResult"):
+                log.info(
+                    "torch %s: skipping moe (its series leaves out per-parameter meshes, "
+                    "see patches/<version>/base.toml)",
+                    torch.__version__,
+                )
                 run_models = [name for name in run_models if name != "moe"]
             skipped = [name for name in run_models if not MODELS[name].runs_at(world_size)]
             if skipped:

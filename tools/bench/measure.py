@@ -108,7 +108,12 @@ def _reduce_scatter_buffer_bytes(model: nn.Module) -> list[int]:
     for module in model.modules():
         if not isinstance(module, upstream_fsdp.FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        state = module._get_fsdp_state()
+        # torch 2.9's FSDP2 has one optional group per state
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group else []
+        for group in groups:
             world_size = group.mesh_info.shard_mesh_size
             numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
             sizes.append(numel * world_size * 4)

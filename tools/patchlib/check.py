@@ -3,9 +3,12 @@
 Exits 0 only if all of these hold, and otherwise names each failure and its fix.
 For every base in patches/ (no torch needed):
 
-1. its series has the same patch subjects, in the same order, as the primary base's;
+1. its series has the same patch subjects, in the same order, as the primary base's,
+   except those its base.toml lists under [series.omitted], each with a reason
+   (a port to a release that lacks a patch's premise; never the primary base);
 2. the tests its series adds equal test/upstream/*.py after import rewriting
-   (or test/upstream/<version>/*.py where a base has its own).
+   (or test/upstream/<version>/*.py where a base has its own); the tests that
+   an omitted patch creates are not required.
 
 For the chosen base (--base/--torch, default the installed torch):
 
@@ -48,21 +51,53 @@ def check_bases_agree() -> list[str]:
     errors = []
     primary = vendor.primary_version(PATCHES)
     want = patch_subjects(vendor.patches_dir(primary, PATCHES))
+    omitted_anywhere = False
     for version in vendor.supported_versions(PATCHES):
         pdir = vendor.patches_dir(version, PATCHES)
-        pinned = vendor.read_base(pdir).torch_version
-        if pinned != version:
-            errors.append(f"patches/{version}/base.toml pins torch {pinned}; rename one of them")
+        base = vendor.read_base(pdir)
+        if base.torch_version != version:
+            errors.append(
+                f"patches/{version}/base.toml pins torch {base.torch_version}; rename one of them"
+            )
+        omitted = base.omitted
+        omitted_anywhere = omitted_anywhere or bool(omitted)
+        if omitted and version == primary:
+            errors.append(
+                f"patches/{version} is the primary base and omits {sorted(omitted)}: the "
+                "primary base carries every patch. Fix: remove [series.omitted] from its base.toml"
+            )
+        if unknown := sorted(omitted.keys() - set(want)):
+            errors.append(
+                f"patches/{version}/base.toml omits {unknown}, which the primary base "
+                f"patches/{primary} does not have. Fix: use the primary base's subjects"
+            )
+        if no_reason := sorted(s for s, reason in omitted.items() if not reason.strip()):
+            errors.append(
+                f"patches/{version}/base.toml omits {no_reason} without a reason. Fix: say "
+                "why the patch does not apply to this release"
+            )
+        carried = [s for s in want if s not in omitted]
         have = patch_subjects(pdir)
-        if have != want:
+        if have != carried:
+            for subject in (s for s in carried if s not in have):
+                errors.append(
+                    f"patches/{version} lacks the primary base's patch {subject!r} and "
+                    f"gives no reason. Fix: carry it, or, if its premise does not exist in "
+                    f"torch {version}, list it with the reason under [series.omitted] in "
+                    f"patches/{version}/base.toml"
+                )
             errors.append(
                 f"patches/{version} has other patch subjects than the primary base "
-                f"patches/{primary}: {have} != {want}. Fix: carry the change to every base "
-                '(CONTRIBUTING.md, "Carrying a change to every base")'
+                f"patches/{primary} carries less the omitted ones: {have} != {carried}. "
+                'Fix: carry the change to every base (CONTRIBUTING.md, "Carrying a change '
+                'to every base")'
             )
         tests = upstream_test_files(version)
         in_series = series_test_files(pdir)
+        not_required = vendor.omitted_tests(version, PATCHES) if omitted else {}
         for rel in sorted(tests.keys() | in_series.keys()):
+            if rel not in in_series and rel in not_required:
+                continue
             if rel not in in_series:
                 errors.append(
                     f"patches/{version} lacks {rel}. "
@@ -87,9 +122,10 @@ def check_bases_agree() -> list[str]:
         errors.append(f"REWRITES name bases with no series: {unknown}")
     if not errors:
         log.info(
-            "ok: bases %s carry the same %d patch subjects and upstream tests",
+            "ok: bases %s carry the same %d patch subjects and upstream tests%s",
             ", ".join(vendor.supported_versions(PATCHES)),
             len(want),
+            " (less each base's [series.omitted], with reasons)" if omitted_anywhere else "",
         )
     return errors
 

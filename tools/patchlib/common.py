@@ -12,8 +12,6 @@ import argparse
 import atexit
 import collections
 import difflib
-import email
-import email.policy
 import importlib.util
 import itertools
 import json
@@ -234,7 +232,11 @@ def base_files(root: Path) -> dict[str, str]:
     }
 
 
-def write_base_toml(pdir: Path, version: str, commit: str, files: dict[str, str]) -> None:
+def write_base_toml(
+    pdir: Path, version: str, commit: str, files: dict[str, str], tail: str = ""
+) -> None:
+    """Write ``base.toml``; ``tail`` (e.g. the ``[series.omitted]`` and
+    ``[requirements.exclude]`` tables) goes after ``[files]`` as it is."""
     lines = [
         "# The pinned upstream base of this series. Everything generated from it is",
         '# checked against these files (see CONTRIBUTING.md, "Adding a torch release").',
@@ -248,7 +250,17 @@ def write_base_toml(pdir: Path, version: str, commit: str, files: dict[str, str]
         *(f'"{rel}" = "{digest}"' for rel, digest in sorted(files.items())),
     ]
     pdir.mkdir(parents=True, exist_ok=True)
-    (pdir / "base.toml").write_text("\n".join(lines) + "\n")
+    (pdir / "base.toml").write_text("\n".join(lines) + "\n" + tail)
+
+
+def base_toml_tail(pdir: Path) -> str:
+    """What an existing ``base.toml`` has after its ``[files]`` table."""
+    path = pdir / "base.toml"
+    if not path.is_file():
+        return ""
+    lines = path.read_text().splitlines(True)
+    last_file = max(i for i, line in enumerate(lines) if line.startswith('"torch/'))
+    return "".join(lines[last_file + 1 :])
 
 
 def export_series(ws: Path, pdir: Path) -> None:
@@ -453,10 +465,4 @@ def project_form(text: str) -> str:
 
 def patch_subjects(pdir: Path) -> list[str]:
     """The ``Subject:`` of every patch in the series, in order."""
-    subjects = []
-    for patch in vendor.read_series(pdir):
-        with open(patch, "rb") as f:
-            subjects.append(
-                email.message_from_binary_file(f, policy=email.policy.default)["Subject"]
-            )
-    return subjects
+    return [vendor.patch_subject(patch) for patch in vendor.read_series(pdir)]

@@ -4,7 +4,10 @@
             torch's pristine files on top of the old base, and rebase the series
             onto them (git's 3-way merge); stops at the first conflict
   continue  after resolving a conflict and ``git add``-ing the files in the
-            workspace, go on with the rebase; stops at the next conflict
+            workspace, go on with the rebase; stops at the next conflict. To
+            leave a patch out instead (its premise does not exist in the new
+            release), ``git rebase --skip`` it in the workspace, then continue,
+            and give the reason under [series.omitted] in the new base.toml
 
 When the rebase is through, the new base is written to patches/<version>/
 (base.toml pinned by commit and per-file sha256, series, patches), ready for
@@ -31,12 +34,14 @@ from .common import (
     add_base_arguments,
     am_series,
     base_files,
+    base_toml_tail,
     commit_base,
     copy_base_files,
     export_series,
     git,
     init_base_repo,
     log,
+    patch_subjects,
     resolve_target,
     torch_at,
     vendor,
@@ -128,9 +133,26 @@ def _finish_or_stop(ws: Path, returncode: int) -> None:
     if returncode != 0:
         raise SystemExit(f"error: git rebase failed in {ws}; see `git status` there")
     pdir = PATCHES / state["to"]
-    write_base_toml(pdir, state["to"], state["commit"], state["files"])
+    # What follows [files] (the reasons for patches left out with ``git rebase
+    # --skip``, excluded requirements) is kept by a port again, and a new base
+    # starts from the old base's: a patch it lacks stays out. A newly skipped
+    # patch needs its reason added
+    tail = base_toml_tail(pdir) or base_toml_tail(PATCHES / state["from"])
+    write_base_toml(pdir, state["to"], state["commit"], state["files"], tail)
+    omitted = vendor.read_base(pdir).omitted
     export_series(ws, pdir)
     to = state["to"]
+    carried = set(patch_subjects(pdir))
+    skipped = [
+        s
+        for s in patch_subjects(vendor.patches_dir(state["from"], PATCHES))
+        if s not in carried and s not in omitted
+    ]
+    if skipped:
+        log.warning(
+            f"left out of patches/{to}: {skipped}. Add each to [series.omitted] in "
+            f"patches/{to}/base.toml with the reason (tools/patches.py check fails until then)"
+        )
     log.info(
         f"torch {to}: patches/{to} written. Next: python tools/patches.py check --base {to} "
         f"--torch <torch {to}>; add {to} to the torch range in pyproject.toml; "

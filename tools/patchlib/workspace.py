@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .common import (
     BASE_TAG,
+    PATCHES,
     REPO,
     UPSTREAM_TESTS,
     Target,
@@ -64,7 +65,11 @@ def init(target: Target, ws: Path, force: bool) -> None:
 
 
 def sync_tests(target: Target, ws: Path) -> None:
+    # A test that a patch the base leaves out creates is neither carried nor run there
+    omitted = vendor.omitted_tests(target.version, PATCHES)
     for rel, text in upstream_test_files(target.version).items():
+        if rel in omitted:
+            continue
         path = ws / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
@@ -100,8 +105,8 @@ def format_series(ws: Path, version: str) -> None:
         check=True,
         capture_output=True,
     )
-    # The project form of the formatted tests (imports from torch_fsdp_ext), into
-    # the base's own version of a test where it has one
+    # The project form of the formatted tests (imports from torch_fsdp_ext),
+    # into the base's own version of a test where it has one
     for path in sorted((ws / vendor.UPSTREAM_TEST_DIR).glob("test_*.py")):
         for source in (UPSTREAM_TESTS / version / path.name, UPSTREAM_TESTS / path.name):
             if source.exists():

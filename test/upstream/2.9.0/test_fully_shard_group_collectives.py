@@ -1,0 +1,798 @@
+# Owner(s): ["oncall: distributed"]
+
+import copy
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.testing._internal.common_fsdp import (
+    MLP,
+    FSDPTest,
+    FSDPTestMultiThread,
+    get_devtype,
+)
+from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DeterministicReduceScatter,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    lib as fsdp_lib,
+)
+
+device_type = torch.device(get_devtype())
+# Parity needs real collectives: one process per accelerator on its default
+# backend (NCCL on CUDA), as FSDP2's training tests do, skipped without enough
+# accelerators; on CPU, the threaded process group
+_ParityTestCase = FSDPTestMultiThread if device_type.type == "cpu" else FSDPTest
+
+
+class _PairRecordingAllGather(AllGather):
+    def __init__(self):
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.pairs.append((output_tensor, input_tensor))
+
+
+class _PairRecordingReduceScatter(ReduceScatter):
+    def __init__(self):
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.pairs.append((output_tensor, input_tensor))
+
+
+class _OwnMemoryAllGather(DefaultAllGather):
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryOptedInAllGather(_OwnMemoryAllGather):
+    accepts_parameter_output = True
+
+
+class _OwnMemory:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryReduceScatter(_OwnMemory, DefaultReduceScatter):
+    pass
+
+
+class TestFullyShardGroupCollectivesCommAPI(TestCase):
+    def test_own_tensors_opt_in_holds_above_allocate(self):
+        """Tests that receiving FSDP's own tensors instead of ``allocate``'s is
+        opt-in (off on the interfaces, on for the default comms) and holds for
+        subclasses only while they do not override ``allocate``, unless the
+        subclass opts in again itself."""
+        for comm_cls, flag, accepts in (
+            (AllGather, "accepts_parameter_output", False),
+            (ReduceScatter, "accepts_gradient_input", False),
+            (DefaultAllGather, "accepts_parameter_output", True),
+            (DefaultReduceScatter, "accepts_gradient_input", True),
+            (_OwnMemoryAllGather, "accepts_parameter_output", False),
+            (_OwnMemoryOptedInAllGather, "accepts_parameter_output", True),
+            (_OwnMemoryReduceScatter, "accepts_gradient_input", False),
+        ):
+            with self.subTest(comm=comm_cls.__name__):
+                self.assertIs(getattr(comm_cls, flag), accepts)
+
+    def test_default_foreach_calls_each_pair(self):
+        """Tests that the default ``foreach`` calls ``__call__`` once per
+        (output, input) pair, in order, and returns no work."""
+        outputs = [torch.empty(4, device="meta") for _ in range(3)]
+        inputs = [torch.empty(2, device="meta") for _ in range(3)]
+        all_gather = _PairRecordingAllGather()
+        reduce_scatter = _PairRecordingReduceScatter()
+        self.assertIsNone(all_gather.foreach(outputs, inputs, None))
+        self.assertIsNone(
+            reduce_scatter.foreach(inputs, outputs, None, dist.ReduceOp.SUM)
+        )
+        self.assertEqual(
+            [(id(o), id(i)) for o, i in all_gather.pairs],
+            [(id(o), id(i)) for o, i in zip(outputs, inputs, strict=True)],
+        )
+        self.assertEqual(
+            [(id(o), id(i)) for o, i in reduce_scatter.pairs],
+            [(id(o), id(i)) for o, i in zip(inputs, outputs, strict=True)],
+        )
+        with self.assertRaises(ValueError):
+            all_gather.foreach(outputs, inputs[:2], None)
+
+
+_COLLECTIVES = {
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+}
+# Ops that copy parameter or gradient data on FSDP's side
+_COPIES = {
+    "copy_",
+    "_foreach_copy_",
+    "cat",
+    "_chunk_cat",
+    "split_with_sizes_copy",
+    "_to_copy",
+}
+
+
+class _CommAndCopyRecorder(TorchDispatchMode):
+    """Records each collective (phase, kind, input numels) and counts copy ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.collectives: list[str] = []
+        self.copies: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[1]
+        if func.namespace == "c10d" and name in _COLLECTIVES:
+            inputs = args[1] if "coalesced" in name else [args[1]]
+            if name.startswith("allreduce"):
+                inputs = args[0]
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            numels = "+".join(str(t.numel()) for t in inputs)
+            self.collectives.append(f"{phase} {_COLLECTIVES[name]} {numels}")
+        # FSDP's own ops, and torch's C++ ``fsdp::chunk_cat_mixed_dtype`` copy-in
+        elif func.namespace in (fsdp_lib.ns, "fsdp") or (
+            func.namespace == "aten" and name in _COPIES
+        ):
+            self.copies[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _FakeProcessGroupTestCase(TestCase):
+    """Single-process tests over the fake process group at world size 2:
+    collectives do not move data, so every recorded op is FSDP's own."""
+
+    world_size = 2
+
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group(
+            "fake", store=FakeStore(), rank=0, world_size=self.world_size
+        )
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def _record_step(self, model: nn.Module, inp: torch.Tensor) -> _CommAndCopyRecorder:
+        model(inp).sum().backward()  # lazy init outside of the recording
+        with _CommAndCopyRecorder() as recorder:
+            model(inp).sum().backward()
+        return recorder
+
+
+class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_group_collectives_default_is_grouped(self):
+        """Tests that ``group_collectives`` defaults to ``True`` on every parameter group."""
+        model = MLP(8)
+        fully_shard(model)
+        groups = _groups(model)
+        self.assertEqual([g.group_collectives for g in groups], [True])
+
+    def test_group_collectives_stored_on_the_param_group(self):
+        """Tests that the flag reaches the parameter group."""
+        for group_collectives in (False, True):
+            torch.manual_seed(42)
+            mesh = init_device_mesh(device_type.type, (self.world_size,))
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            fully_shard(model, mesh=mesh, group_collectives=group_collectives)
+            groups = _groups(model)
+            self.assertEqual(len(groups), 1)
+            self.assertIs(groups[0].group_collectives, group_collectives)
+
+    def test_group_collectives_rejects_non_bool(self):
+        """Tests that a non-bool ``group_collectives`` raises a ``TypeError``
+        naming the value instead of being coerced by truthiness."""
+        for bad in ("no", 0, 1, torch.tensor(True)):
+            with self.assertRaisesRegex(TypeError, "group_collectives.*bool") as cm:
+                fully_shard(MLP(8), group_collectives=bad)
+            self.assertIn(repr(bad), str(cm.exception))
+
+
+def _two_block_model(group_collectives: bool = True, **kwargs) -> nn.Module:
+    torch.manual_seed(42)
+    model = nn.Sequential(MLP(8), MLP(8))
+    for mlp in model:
+        fully_shard(mlp, **kwargs)
+    fully_shard(model, **kwargs)
+    _set_group_collectives(model, group_collectives)
+    return model
+
+
+class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
+    def test_reduce_scatter_per_param_without_copies(self):
+        """Tests that ``group_collectives=False`` reduce-scatters each gradient
+        by itself and, for contiguous, evenly divisible fp32 gradients, reads
+        the gradients in place: no ``chunk_cat`` and no other copy."""
+        model = _two_block_model(group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
+        reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
+        # in_proj (32, 8) + bias, out_proj (8, 32) + bias, for each of 2 blocks
+        self.assertEqual(
+            reduce_scatters,
+            [
+                "backward reduce_scatter 256",
+                "backward reduce_scatter 32",
+                "backward reduce_scatter 256",
+                "backward reduce_scatter 8",
+            ]
+            * 2,
+        )
+        self.assertNotIn("chunk_cat", recorder.copies)
+        self.assertNotIn("copy_", recorder.copies)
+
+    def test_reduce_scatter_per_param_copies_only_ineligible_grads(self):
+        """Tests that a gradient that is not evenly divisible on dim-0, or not
+        in the reduce dtype, is copied into a temporary of its own: one copy
+        per such gradient, never a group-wide ``chunk_cat``."""
+        torch.manual_seed(42)
+        # dim-0 of 7 and 3 do not divide by 2; 8 does
+        model = nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 3), nn.Linear(3, 8))
+        fully_shard(model)
+        _set_group_collectives(model, False)
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
+        self.assertNotIn("chunk_cat", recorder.copies)
+        self.assertEqual(recorder.copies["copy_"], 4)
+
+    def test_grouped_reduce_scatter_uses_chunk_cat(self):
+        """Tests that grouped mode (the default) keeps one copy-in
+        (``fsdp::chunk_cat``) and one reduce-scatter per group."""
+        model = _two_block_model()
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
+        reduce_scatters = [c for c in recorder.collectives if "reduce_scatter" in c]
+        self.assertEqual(reduce_scatters, ["backward reduce_scatter 552"] * 2)
+        self.assertEqual(recorder.copies["chunk_cat"], 2)
+
+
+class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
+    def test_all_gather_per_param_without_copies(self):
+        """Tests that ``group_collectives=False`` all-gathers each parameter by
+        itself straight into its unsharded storage: no ``all_gather_copy_in``,
+        no ``split_with_sizes_copy`` and no other copy in forward."""
+        model = _two_block_model(group_collectives=False)
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
+        all_gathers = [c for c in recorder.collectives if "all_gather" in c]
+        per_block = [
+            "all_gather 128",
+            "all_gather 16",
+            "all_gather 128",
+            "all_gather 4",
+        ]
+        self.assertEqual(
+            all_gathers,
+            [
+                f"{phase} {c}"
+                for phase in ("forward", "backward")
+                for c in per_block * 2
+            ],
+        )
+        self.assertEqual(recorder.copies, Counter())
+
+    def test_all_gather_per_param_casts_per_param(self):
+        """Tests that with ``param_dtype`` each parameter is cast by itself
+        (one copy each), straight into its chunk of the all-gather output, and
+        gathered in that dtype."""
+        torch.manual_seed(42)
+        model = MLP(8)
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+        fully_shard(model, mp_policy=mp_policy)
+        _set_group_collectives(model, False)
+        recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
+        self.assertNotIn("all_gather_copy_in", recorder.copies)
+        self.assertNotIn("_foreach_copy_", recorder.copies)
+        # The forward input cast (``_to_copy``) and 4 parameter casts to bf16
+        # (the root all-gathers once), then the 4 bf16 gradients, each cast
+        # into its own fp32 reduce-scatter input, with no cast after: 8
+        # ``copy_`` in all
+        self.assertEqual(recorder.copies, Counter({"_to_copy": 1, "copy_": 8}))
+
+    def test_all_gather_per_param_storage_lives_until_next_copy_out(self):
+        """Tests when the per-parameter path frees a block's unsharded
+        storages: in forward, not at the block's reshard but at the next
+        block's copy-out (the next all-gather may run on its own stream while
+        the current one still reads the block, so there is no
+        ``record_stream``), the last block's at the root's post-forward; in
+        backward, at reshard."""
+        model = _two_block_model(group_collectives=False)
+        inp = torch.randn(4, 8, device=device_type)
+        model(inp).sum().backward()  # lazy init
+        comm_ctx = model._get_fsdp_state()._comm_ctx
+
+        def allocated(block: nn.Module) -> list[bool]:
+            return [
+                t.untyped_storage().size() > 0
+                for fsdp_param in _groups(block)[0].fsdp_params
+                for t in fsdp_param.all_gather_outputs
+            ]
+
+        seen = {}
+
+        def record(when: str):
+            def hook(*_) -> None:
+                seen[when] = allocated(model[0])
+
+            return hook
+
+        # FSDP's pre-forward hook is prepended, so this one runs before it
+        model[1].register_forward_pre_hook(
+            record("before block 1 unshard"), prepend=True
+        )
+        model[1].register_forward_pre_hook(record("after block 1 copy-out"))
+        out = model(inp)
+        self.assertEqual(seen["before block 1 unshard"], [True] * 4)
+        self.assertEqual(seen["after block 1 copy-out"], [False] * 4)
+        self.assertIsNone(comm_ctx.resharded_all_gather_outputs)
+        self.assertEqual(allocated(model[1]), [False] * 4)
+        out.sum().backward()
+        self.assertIsNone(comm_ctx.resharded_all_gather_outputs)
+        self.assertEqual(allocated(model[0]) + allocated(model[1]), [False] * 8)
+
+    def test_trace_two_blocks(self):
+        """Tests the exact collective sequence of one training step of a
+        two-block model in both modes."""
+        traces = {}
+        for group_collectives in (True, False):
+            model = _two_block_model(group_collectives=group_collectives)
+            recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
+            traces[group_collectives] = "\n".join(recorder.collectives)
+        self.assertExpectedInline(
+            traces[True],
+            """\
+forward all_gather 276
+forward all_gather 276
+backward all_gather 276
+backward all_gather 276
+backward reduce_scatter 552
+backward reduce_scatter 552""",
+        )
+        self.assertExpectedInline(
+            traces[False],
+            """\
+forward all_gather 128
+forward all_gather 16
+forward all_gather 128
+forward all_gather 4
+forward all_gather 128
+forward all_gather 16
+forward all_gather 128
+forward all_gather 4
+backward all_gather 128
+backward all_gather 16
+backward all_gather 128
+backward all_gather 4
+backward all_gather 128
+backward all_gather 16
+backward all_gather 128
+backward all_gather 4
+backward reduce_scatter 256
+backward reduce_scatter 32
+backward reduce_scatter 256
+backward reduce_scatter 8
+backward reduce_scatter 256
+backward reduce_scatter 32
+backward reduce_scatter 256
+backward reduce_scatter 8""",
+        )
+
+
+class _TwiceCalledBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.block = MLP(dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.block(x)))
+
+
+class TestFullyShardGroupCollectivesRepeatedBlock(_ParityTestCase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_block_called_twice_in_forward(self):
+        """Tests that a block run twice in one forward, whose unsharded
+        storages are still held from its first reshard when it all-gathers
+        again, trains bitwise as in grouped mode."""
+        torch.manual_seed(42)
+        base = _TwiceCalledBlock(8)
+        models = []
+        for group_collectives in (False, True):
+            model = copy.deepcopy(base)
+            fully_shard(model.block)
+            fully_shard(model)
+            _set_group_collectives(model, group_collectives)
+            models.append(model)
+        _train_and_compare(self, models, 8)
+
+
+class TestFullyShardGroupCollectivesParity(_ParityTestCase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_per_param_matches_grouped(self):
+        """Tests that per-parameter collectives give bitwise-equal losses,
+        sharded parameters and sharded gradients to grouped ones."""
+        self.run_subtests(
+            {
+                "mp_policy": [
+                    MixedPrecisionPolicy(),
+                    MixedPrecisionPolicy(
+                        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                    ),
+                ],
+                "dim": [8, 7],  # evenly and unevenly sharded
+                "reshard_after_forward": [True, False],
+            },
+            self._test_per_param_matches_grouped,
+        )
+
+    def _test_per_param_matches_grouped(
+        self, mp_policy: MixedPrecisionPolicy, dim: int, reshard_after_forward: bool
+    ):
+        models = _copies_of_two_block_model(
+            dim,
+            [False, True],
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        _train_and_compare(self, models, dim)
+
+    def test_all_gather_comm_without_parameter_output(self):
+        """Tests that a custom all-gather comm that does not set
+        ``accepts_parameter_output`` gets every output from its own
+        ``allocate`` (copied out after), in ``Shard(0)`` and ``Shard(1)``,
+        with bitwise the same training as the default comm."""
+        for placement in (Shard(0), Shard(1)):
+            with self.subTest(placement=placement):
+                comm = _AllocatingAllGather()
+                models = _copies_of_two_block_model(
+                    8,
+                    [False, False],
+                    shard_placement_fn=lambda p, s=placement: (
+                        s if p.ndim == 2 else None
+                    ),
+                )
+                for module in (*models[0], models[0]):
+                    module.set_custom_all_gather(comm)
+                _train_and_compare(self, models, 8)
+                self.assertTrue(comm.output_data_ptrs)
+                allocated = {t.data_ptr() for t in comm.allocated}
+                self.assertLessEqual(set(comm.output_data_ptrs), allocated)
+
+
+class _AllocatingAllGather(AllGather):
+    """Records the output of each call and keeps every buffer it allocates."""
+
+    def __init__(self):
+        self.allocated: list[torch.Tensor] = []
+        self.output_data_ptrs: list[int] = []
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(torch.empty(*size, dtype=dtype, device=device))
+        return self.allocated[-1]
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.output_data_ptrs.append(output_tensor.data_ptr())
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
+class _CoalescingGroup:
+    """A stand-in process group whose c10d backend on "meta" coalesces; it
+    records the coalesced ops it is asked for."""
+
+    _device_types = [torch.device("meta")]
+    supports_coalescing = True
+
+    def __init__(self):
+        self.coalesced_ops: list[str] = []
+
+    def size(self) -> int:
+        return 2
+
+    def _get_backend(self, device):
+        return self
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
+        self.coalesced_ops.append("all_gather")
+        return _DoneWork()
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        self.coalesced_ops.append("reduce_scatter")
+        return _DoneWork()
+
+
+class _DoneWork:
+    def wait(self) -> bool:
+        return True
+
+
+class _CallRecordingAllGather(DefaultAllGather):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+
+
+class _CallRecordingReduceScatter(DefaultReduceScatter):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+
+
+class TestFullyShardGroupCollectivesCustomComms(TestCase):
+    def test_coalescing_holds_only_below_the_class_that_opts_in(self):
+        """Tests that the default comms' coalescing through the process group
+        holds for subclasses only while they do not override ``__call__``,
+        which it would skip."""
+        for comm_cls, coalesces in (
+            (DefaultAllGather, True),
+            (DefaultReduceScatter, True),
+            (_CallRecordingAllGather, False),
+            (_CallRecordingReduceScatter, False),
+            (_OwnMemoryAllGather, True),
+            (_OwnMemoryReduceScatter, True),
+        ):
+            with self.subTest(comm=comm_cls.__name__):
+                self.assertIs(comm_cls._coalesces_call, coalesces)
+
+    def test_overridden_call_runs_where_the_group_coalesces(self):
+        """Tests that on a process group that coalesces, the default comms'
+        ``foreach`` issues one coalesced op, and a subclass that overrides
+        ``__call__`` gets one call per pair instead, none coalesced."""
+        outputs = [torch.empty(4, device="meta") for _ in range(3)]
+        inputs = [torch.empty(2, device="meta") for _ in range(3)]
+        group = _CoalescingGroup()
+        DefaultAllGather().foreach(outputs, inputs, group)
+        DefaultReduceScatter().foreach(inputs, outputs, group, dist.ReduceOp.SUM)
+        self.assertEqual(group.coalesced_ops, ["all_gather", "reduce_scatter"])
+        all_gather = _CallRecordingAllGather()
+        reduce_scatter = _CallRecordingReduceScatter()
+        all_gather.foreach(outputs, inputs, group)
+        reduce_scatter.foreach(inputs, outputs, group, dist.ReduceOp.SUM)
+        self.assertEqual((all_gather.calls, reduce_scatter.calls), (3, 3))
+        self.assertEqual(group.coalesced_ops, ["all_gather", "reduce_scatter"])
+
+
+class TestFullyShardGroupCollectivesRuntimeSwitch(_ParityTestCase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_set_group_collectives_between_iterations(self):
+        """Tests that switching ``set_group_collectives`` every iteration
+        keeps bitwise parity with a model that always groups, and that the
+        switch reaches every parameter group (``recurse=True``) or only the
+        module's own (``recurse=False``)."""
+        models = _copies_of_two_block_model(8, [True, True])
+        model = models[0]
+
+        def before_step(step: int):
+            model.set_group_collectives(step % 2 == 1)
+            flags = {g.group_collectives for m in (*model, model) for g in _groups(m)}
+            self.assertEqual(flags, {step % 2 == 1})
+
+        _train_and_compare(self, models, 8, before_step=before_step)
+        model.set_group_collectives(False, recurse=False)
+        self.assertEqual(
+            [g.group_collectives for g in _groups(model)], [False] * len(_groups(model))
+        )
+        self.assertEqual([g.group_collectives for g in _groups(model[0])], [True])
+
+    def test_set_group_collectives_rejects_non_bool(self):
+        """Tests that ``set_group_collectives`` raises a ``TypeError`` for a
+        non-bool and leaves the flag unchanged."""
+        model = MLP(8)
+        fully_shard(model)
+        with self.assertRaisesRegex(
+            TypeError, "group_collectives must be a bool but got 'no'"
+        ):
+            model.set_group_collectives("no")
+        self.assertTrue(_groups(model)[0].group_collectives)
+
+
+class TestFullyShardGroupCollectivesRuntimeSwitchHSDP(_ParityTestCase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_set_group_collectives_with_pending_partial_reduce(self):
+        """Tests that switching modes while an HSDP partial reduction
+        (``set_requires_all_reduce(False)``) is pending gives the same
+        gradients as staying in one mode: both modes lay out the partial
+        reduce output the same way."""
+        mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("replicate", "shard")
+        )
+        torch.manual_seed(42)
+        base = MLP(8)
+        models = [copy.deepcopy(base) for _ in range(2)]
+        for model in models:
+            fully_shard(model, mesh=mesh)
+        torch.manual_seed(42 + self.rank)
+        inps = [torch.randn(4, 8, device=device_type) for _ in range(2)]
+        for model, switch_to in zip(models, (False, None), strict=True):
+            model.set_requires_all_reduce(False)
+            model(inps[0]).sum().backward()
+            if switch_to is not None:
+                model.set_group_collectives(switch_to)
+            model.set_requires_all_reduce(True)
+            model(inps[1]).sum().backward()
+        self.assertFalse(_groups(models[0])[0].group_collectives)
+        for param, ref_param in zip(
+            models[0].parameters(), models[1].parameters(), strict=True
+        ):
+            self.assertTrue(
+                torch.equal(param.grad.to_local(), ref_param.grad.to_local())
+            )
+
+
+class TestFullyShardDeterministicReduceScatter(_ParityTestCase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_sums_in_rank_order(self):
+        """Tests that each output element is the rank-order sum ``x_0 + x_1 +
+        ... + x_{W-1}`` of that element's inputs, for SUM, AVG and PREMUL_SUM,
+        and for a chunk size that packs differently than one tensor."""
+        self.run_subtests(
+            {
+                "op": [
+                    dist.ReduceOp.SUM,
+                    dist.ReduceOp.AVG,
+                    dist._make_nccl_premul_sum(0.3),
+                ],
+                "dtype": [torch.float32, torch.bfloat16],
+            },
+            self._test_sums_in_rank_order,
+        )
+
+    def _test_sums_in_rank_order(self, op, dtype: torch.dtype):
+        group = dist.distributed_c10d._get_default_group()
+        torch.manual_seed(42 + self.rank)
+        inp = torch.randn(self.world_size * 37, dtype=dtype, device=device_type)
+        out = torch.empty(37, dtype=dtype, device=device_type)
+        self.assertIsNone(DeterministicReduceScatter()(out, inp.clone(), group, op))
+        gathered = torch.empty(
+            self.world_size * inp.numel(), dtype=dtype, device=device_type
+        )
+        dist.all_gather_into_tensor(gathered, inp, group=group)
+        chunks = gathered.view(self.world_size, self.world_size, -1)[:, self.rank]
+        if getattr(op, "op", op) == dist.ReduceOp.PREMUL_SUM:
+            chunks = chunks * op.__getstate__()[1]  # (op type, factor)
+        expected = chunks[0].clone()
+        for chunk in chunks[1:]:
+            expected += chunk
+        if op == dist.ReduceOp.AVG:
+            expected /= self.world_size
+        self.assertEqual(out, expected, atol=0, rtol=0)
+
+    def test_rejects_unsupported_op(self):
+        """Tests that ops other than SUM, AVG and PREMUL_SUM raise."""
+        group = dist.distributed_c10d._get_default_group()
+        with self.assertRaisesRegex(
+            NotImplementedError, "supports SUM, AVG and PREMUL_SUM"
+        ):
+            DeterministicReduceScatter()(
+                torch.empty(2), torch.zeros(8), group, dist.ReduceOp.MAX
+            )
+
+    def test_rejects_input_not_divisible_by_world_size(self):
+        """Tests that an input that does not split into one chunk per rank
+        raises naming both sizes, instead of a failed reshape."""
+        group = dist.distributed_c10d._get_default_group()
+        with self.assertRaisesRegex(ValueError, "input of 5 elements.*world size 4"):
+            DeterministicReduceScatter()(
+                torch.empty(1), torch.zeros(5), group, dist.ReduceOp.SUM
+            )
+
+    def test_per_param_matches_grouped(self):
+        """Tests that with ``DeterministicReduceScatter`` on both sides,
+        per-parameter and grouped reduce-scatters give bitwise-equal training
+        at world size 4, with uneven sharding and a divide factor."""
+        models = _copies_of_two_block_model(7, [False, True])
+        for model in models:
+            for module in (*model, model):
+                module.set_custom_reduce_scatter(DeterministicReduceScatter())
+                module.set_gradient_divide_factor(3.0)
+        _train_and_compare(self, models, 7)
+
+
+def _groups(module: nn.Module) -> list:
+    # One parameter group per ``fully_shard`` call (no per-parameter meshes)
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def _set_group_collectives(model: nn.Module, group_collectives: bool) -> None:
+    """Sets whether every parameter group of ``model`` groups its collectives."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in _groups(module):
+                group.group_collectives = group_collectives
+
+
+def _copies_of_two_block_model(
+    dim: int, group_collectives: list[bool], **kwargs
+) -> list[nn.Module]:
+    """Identically initialized two-block models, one per ``group_collectives``
+    value, sharded with ``kwargs``."""
+    torch.manual_seed(42)
+    base = nn.Sequential(MLP(dim), MLP(dim))
+    models = []
+    for model_group_collectives in group_collectives:
+        model = copy.deepcopy(base)
+        for module in (*model, model):
+            fully_shard(module, **kwargs)
+        _set_group_collectives(model, model_group_collectives)
+        models.append(model)
+    return models
+
+
+def _train_and_compare(
+    test: TestCase, models: list[nn.Module], dim: int, before_step=lambda step: None
+) -> None:
+    """Trains ``models`` in lockstep for 4 steps and requires bitwise-equal
+    losses, sharded gradients and sharded parameters to ``models[-1]``."""
+    optims = [torch.optim.Adam(model.parameters(), lr=1e-2) for model in models]
+    torch.manual_seed(42 + test.rank)
+    for step in range(4):
+        before_step(step)
+        inp = torch.randn(4, dim, device=device_type)
+        losses = [model(inp).sum() for model in models]
+        for loss in losses:
+            loss.backward()
+        for loss in losses[:-1]:
+            test.assertEqual(loss, losses[-1], atol=0, rtol=0)
+        params = [list(model.parameters()) for model in models]
+        for model_params in params[:-1]:
+            for param, ref_param in zip(model_params, params[-1], strict=True):
+                test.assertEqual(
+                    param.grad.to_local(), ref_param.grad.to_local(), atol=0, rtol=0
+                )
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=step % 2 == 0)
+        for model_params in params[:-1]:
+            for param, ref_param in zip(model_params, params[-1], strict=True):
+                test.assertEqual(param.to_local(), ref_param.to_local(), atol=0, rtol=0)
+
+
+if __name__ == "__main__":
+    run_tests()
