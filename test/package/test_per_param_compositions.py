@@ -12,7 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_fsdp_ext import EXT, Block, Model, ParityConfig, ParityMixin, on_fsdp_modules
+from common_fsdp_ext import (  # noqa: F401  (TestUnexpressibleConfigs: run here too)
+    EXT,
+    Block,
+    Model,
+    ParityConfig,
+    ParityMixin,
+    TestUnexpressibleConfigs,
+    on_fsdp_modules,
+    unexpressible_configs,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread
 from torch.testing._internal.common_utils import run_tests
@@ -136,13 +145,9 @@ class TestFullyShardPerParamCompositions(ParityMixin, FSDPTestMultiThread):
                 train_kwargs={"microbatches": 3, "no_all_reduce_microbatches": True},
             )
         # Settings that the base's FSDP2 does not have (torch 2.9) have
-        # nothing to compose with
-        for name, setter in (
-            ("unused_params_reduce_scattered", "set_reduce_scatter_unused_params"),
-            ("reduce_scatter_max_input_buffers_2", "set_reduce_scatter_max_input_buffers"),
-        ):
-            if not hasattr(EXT.FSDPModule, setter):
-                del configs[name]
+        # nothing to compose with (reported by test_unexpressible_configs)
+        for name in unexpressible_configs():
+            configs.pop(name, None)
         return configs
 
     def test_per_param_matches_grouped_with_every_feature(self):
