@@ -306,10 +306,10 @@ def worker(args: argparse.Namespace) -> None:
             torch_fsdp_ext.fully_shard(block, mesh=mesh, group_collectives=group_collectives)
         torch_fsdp_ext.fully_shard(model, mesh=mesh, group_collectives=group_collectives)
         params = list(model.parameters())
+        # torch_xla writes each device's graphs to the dump file + ".<ordinal>"
+        rank_dump = dump.with_name(f"{dump.name}.{xr.global_ordinal()}")
         bed.step_sync()
         for step in range(args.steps):
-            # torch_xla writes each device's graphs to the dump file + ".<ordinal>"
-            rank_dump = dump.with_name(f"{dump.name}.{xr.global_ordinal()}")
             offset = rank_dump.stat().st_size if rank_dump.exists() else 0
             bed.barrier.wait()
             if rank == 0:
