@@ -1,12 +1,15 @@
-"""Count PyTorch's own linters' findings in the series' torch/ files, pristine vs patched.
+"""Count PyTorch's own linters' findings in the series' files, pristine vs patched.
 
-tools/patches.py check runs ruff with PyTorch's settings; PyTorch's lint CI also
-runs flake8 (with flake8-bugbear and flake8-comprehensions), TorchFix, pyrefly
-and mypy. This runs each (the pins in requirements-lint.txt) on every
-``torch/`` file the series touches, once in a copy of the installed torch with
-the pristine files and once with the patched ones, and prints the findings per
-tool (by file, code and message, not line) and the ones only the patched tree
-has. It exits 1 if there is any.
+PyTorch's lint CI runs ruff, flake8 (with flake8-bugbear and
+flake8-comprehensions), TorchFix, pyrefly and mypy. This runs each (ruff from
+requirements.txt, the others from requirements-lint.txt) on every file the
+series touches, once in a copy of the installed torch with the pristine files
+and once with the patched ones, and prints the findings per tool (by file,
+code and message, not line) and the ones only the patched tree has. It exits
+1 if there is any. ruff, flake8 and TorchFix see the ``torch/`` and ``test/``
+files; pyrefly and mypy the ``torch/`` ones only, as PyTorch's ``mypy.ini``
+``files`` and ``pyrefly.toml`` ``project-includes`` leave
+``test/distributed/`` out.
 
 PyTorch's configs are PyTorch's and are never committed: put its ``.flake8``,
 ``pyrefly.toml`` and ``mypy.ini`` (from a pytorch checkout at the base's commit)
@@ -29,7 +32,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS = ("flake8", "torchfix", "pyrefly", "mypy")
+sys.path.insert(0, str(REPO / "tools"))
+from patchlib.common import PYTORCH_RUFF  # noqa: E402
+TOOLS = ("ruff", "flake8", "torchfix", "pyrefly", "mypy")
+# PyTorch's type checkers cover torch/ and a few named test files only
+TYPE_CHECKERS = ("pyrefly", "mypy")
 
 
 def _git(ws: Path, *args: str) -> str:
@@ -56,7 +63,13 @@ def _link(src: str, dst: str) -> None:
 
 def _findings(tool: str, python: str, root: Path, rels: list[str], config: Path) -> list[str]:
     bin_dir = Path(python).parent
-    if tool == "flake8":
+    if tool in TYPE_CHECKERS:
+        rels = [rel for rel in rels if rel.startswith("torch/")]
+    if tool == "ruff":
+        cmd = [sys.executable, "-m", "ruff", "check", "--config", str(PYTORCH_RUFF)]
+        cmd += ["--no-cache", "--output-format", "concise", *rels]
+        pattern = r"^(?P<file>[^:]+):\d+:\d+: (?P<msg>.*)$"
+    elif tool == "flake8":
         cmd = [python, "-m", "flake8", "--config", str(config / ".flake8"), *rels]
         pattern = r"^(?P<file>[^:]+):\d+:\d+: (?P<msg>.*)$"
     elif tool == "torchfix":
@@ -91,6 +104,9 @@ def main() -> int:
     parser.add_argument("--config-dir", type=Path, default=REPO / ".upstream-lint")
     parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
     args = parser.parse_args()
+    # The linters run with cwd in a scratch tree; absolute, not resolved (a venv's
+    # python is a symlink out of the venv)
+    args.lint_python = str(Path.cwd() / args.lint_python)
 
     import torch
 
@@ -99,7 +115,7 @@ def main() -> int:
     rels = [
         p
         for p in _git(ws, "diff", "--name-only", "base", "HEAD").split()
-        if p.startswith("torch/") and p.endswith(".py")
+        if p.startswith(("torch/", "test/")) and p.endswith(".py")
     ]
     missing = [
         n for n in (".flake8", "pyrefly.toml", "mypy.ini") if not (args.config_dir / n).exists()
@@ -135,7 +151,7 @@ def main() -> int:
         )
         for finding in sorted(new.elements()):
             print(f"  new: {finding}")
-    print(f"{len(rels)} torch/ files of {ws}")
+    print(f"{len(rels)} torch/ and test/ files of {ws}")
     return 1 if new_total else 0
 
 

@@ -482,7 +482,7 @@ class TestFullyShardBackendDefaults(TestCase):
             with _registered(device_type.type, FSDPBackend(**{name: lambda: 42})):
                 with self.assertRaisesRegex(
                     TypeError,
-                    f"for '{device_type.type}' made 42 of type int, which is not a {comm_type}",
+                    f"for {device_type.type!r} made 42 of type int, which is not a {comm_type}",
                 ):
                     fully_shard(MLP(8))
 
