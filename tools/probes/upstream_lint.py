@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 from patchlib.common import PYTORCH_RUFF  # noqa: E402
+
 TOOLS = ("ruff", "flake8", "torchfix", "pyrefly", "mypy")
 # PyTorch's type checkers cover torch/ and a few named test files only
 TYPE_CHECKERS = ("pyrefly", "mypy")
