@@ -14,20 +14,18 @@ from . import _torch_compat  # noqa: E402, F401
 from ._clip_grad import clip_grad_norm_  # noqa: E402
 from ._fully_shard import (  # noqa: E402
     CPUOffloadPolicy,
+    DeterministicReduceScatter,
+    FSDPBackend,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     UnshardHandle,
     fully_shard,
-    register_fsdp_forward_method,
-)
-from ._fully_shard._fsdp_backend import (  # noqa: E402
-    FSDPBackend,
     get_fsdp_backend,
     register_fsdp_backend,
+    register_fsdp_forward_method,
     unregister_fsdp_backend,
 )
-from ._fully_shard._fsdp_collectives import DeterministicReduceScatter  # noqa: E402
 from ._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo  # noqa: E402
 
 __all__ = [

@@ -34,6 +34,10 @@ from pathlib import Path
 PACKAGE = "torch_fsdp_ext"
 UPSTREAM_MODULE = "torch.distributed.fsdp._fully_shard"
 UPSTREAM_DIR = "torch/distributed/fsdp/_fully_shard"
+# Upstream files the series also changes, outside UPSTREAM_DIR: pinned in each
+# base.toml and linted like the rest, never generated into the package
+# (``torch_fsdp_ext/__init__.py`` exports the same public names itself)
+OUTSIDE_FILES = ("torch/distributed/fsdp/__init__.py",)
 UPSTREAM_TEST_DIR = "test/distributed/_composable/fsdp"
 VENDORED_NAME = "_fully_shard"
 # The vendored copy registers its custom ops (upstream's ``fsdp::*``) here.

@@ -1,7 +1,10 @@
 """The public surface of ``torch_fsdp_ext``: upstream's FSDP2 names, the private
 per-parameter mesh types, and ``isinstance`` compatibility with torch's ``FSDPModule``."""
 
+import ast
 import copy
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,7 +18,30 @@ from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
+from torch_fsdp_ext import _vendor
 from torch_fsdp_ext._fully_shard import _fsdp_common
+
+
+def _series_fsdp2_exports() -> tuple[set[str], set[str]]:
+    """The FSDP2 names that ``torch/distributed/fsdp/__init__.py`` exports with
+    the installed torch's series applied (imported from ``._fully_shard`` and
+    in ``__all__``), and those of them it moves to ``torch.distributed.fsdp``
+    (``__module__``), read from the patched file itself."""
+    root, pdir = _vendor.installed_series()
+    with tempfile.TemporaryDirectory() as tmp:
+        _vendor.apply_series(root, pdir, Path(tmp))
+        tree = ast.parse((Path(tmp) / "torch/distributed/fsdp/__init__.py").read_text())
+    imported, listed, moved = set(), set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "_fully_shard":
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Assign) and isinstance(target := node.targets[0], ast.Name):
+            if target.id == "__all__":
+                listed = set(ast.literal_eval(node.value))
+        elif isinstance(node, ast.Assign) and isinstance(target, ast.Attribute):
+            if target.attr == "__module__" and isinstance(target.value, ast.Name):
+                moved.add(target.value.id)
+    return imported & listed, moved
 
 
 class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
@@ -23,28 +49,35 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
     def world_size(self) -> int:
         return 2
 
-    def test_exports_every_upstream_fsdp2_name(self):
-        """Tests that every FSDP2 name of ``torch.distributed.fsdp`` is exported,
-        plus ``ShardPlacementResult`` (where the base has per-parameter meshes),
-        ``FSDPMeshInfo``, ``HSDPMeshInfo``, ``DeterministicReduceScatter``, the
-        backend registry and ``clip_grad_norm_``."""
-        fsdp2_names = {
+    def test_exports_what_the_series_exports(self):
+        """Tests that the package exports the FSDP2 names of
+        ``torch.distributed.fsdp`` as the series patches it (upstream's, plus
+        ``DeterministicReduceScatter`` and the backend registry, each also in
+        ``_fully_shard.__all__`` and moved to ``torch.distributed.fsdp`` by
+        ``__module__``), and besides them only ``ShardPlacementResult`` (where
+        the base has per-parameter meshes), ``FSDPMeshInfo``, ``HSDPMeshInfo``
+        and ``clip_grad_norm_``."""
+        fsdp2_names, moved = _series_fsdp2_exports()
+        upstream_names = {
             name
             for name in upstream_fsdp.__all__
             if getattr(upstream_fsdp, name).__module__ == "torch.distributed.fsdp"
             and name in upstream_fsdp._fully_shard.__all__
         }
-        self.assertIn("fully_shard", fsdp2_names)
-        extra = {
-            "FSDPMeshInfo",
-            "HSDPMeshInfo",
-            "DeterministicReduceScatter",
-            "FSDPBackend",
-            "get_fsdp_backend",
-            "register_fsdp_backend",
-            "unregister_fsdp_backend",
-            "clip_grad_norm_",
-        }
+        self.assertIn("fully_shard", upstream_names)
+        self.assertEqual(
+            fsdp2_names - upstream_names,
+            {
+                "DeterministicReduceScatter",
+                "FSDPBackend",
+                "get_fsdp_backend",
+                "register_fsdp_backend",
+                "unregister_fsdp_backend",
+            },
+        )
+        self.assertLessEqual(fsdp2_names, moved)
+        self.assertLessEqual(fsdp2_names, set(torch_fsdp_ext._fully_shard.__all__))
+        extra = {"FSDPMeshInfo", "HSDPMeshInfo", "clip_grad_norm_"}
         if hasattr(_fsdp_common, "ShardPlacementResult"):
             extra.add("ShardPlacementResult")
         self.assertEqual(set(torch_fsdp_ext.__all__), fsdp2_names | extra)

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch_fsdp_ext import fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext import FSDPModule
-from torch_fsdp_ext._fully_shard._fsdp_backend import (
+from torch_fsdp_ext import (
     FSDPBackend,
     get_fsdp_backend,
     register_fsdp_backend,

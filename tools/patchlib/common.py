@@ -93,15 +93,16 @@ class Target:
 
 
 def torch_from_wheel(wheel: Path) -> Path:
-    """Extract what the tools read from a torch wheel (``version.py`` and the
-    ``_fully_shard`` files) into a temporary directory; return its ``torch/``."""
+    """Extract what the tools read from a torch wheel (``version.py``, the
+    ``_fully_shard`` files and ``vendor.OUTSIDE_FILES``) into a temporary
+    directory; return its ``torch/``."""
     tmp = Path(tempfile.mkdtemp(prefix="torch_fsdp_ext-wheel-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     with zipfile.ZipFile(wheel) as zf:
         wanted = [
             name
             for name in zf.namelist()
-            if name == "torch/version.py"
+            if name in ("torch/version.py", *vendor.OUTSIDE_FILES)
             or (name.startswith(f"{vendor.UPSTREAM_DIR}/") and name.endswith(".py"))
         ]
         if "torch/version.py" not in wanted:
@@ -187,7 +188,8 @@ def commit_base(path: Path, version: str, commit: str) -> None:
         "-q",
         "-m",
         f"torch {version} base ({commit})\n\n"
-        f"Pristine {vendor.UPSTREAM_DIR}/*.py at upstream commit {commit}.",
+        f"Pristine {vendor.UPSTREAM_DIR}/*.py and {', '.join(vendor.OUTSIDE_FILES)} "
+        f"at upstream commit {commit}.",
     )
 
 
@@ -225,11 +227,13 @@ def am_series(path: Path, patches: list[Path], *, reproducible: bool = True) -> 
 
 
 def base_files(root: Path) -> dict[str, str]:
-    """Upstream path -> sha256 of every ``_fully_shard`` file of the torch at ``root``."""
-    return {
-        f"{vendor.UPSTREAM_DIR}/{p.name}": vendor.sha256(p.read_bytes())
-        for p in sorted((root.parent / vendor.UPSTREAM_DIR).glob("*.py"))
-    }
+    """Upstream path -> sha256 of every ``_fully_shard`` file of the torch at
+    ``root``, and of ``vendor.OUTSIDE_FILES``."""
+    paths = [
+        *(p.relative_to(root.parent) for p in (root.parent / vendor.UPSTREAM_DIR).glob("*.py")),
+        *map(Path, vendor.OUTSIDE_FILES),
+    ]
+    return {str(rel): vendor.sha256((root.parent / rel).read_bytes()) for rel in sorted(paths)}
 
 
 def write_base_toml(
@@ -245,7 +249,8 @@ def write_base_toml(
         f'version = "{version}"',
         f'commit = "{commit}"',
         "",
-        f"# sha256 of every {vendor.UPSTREAM_DIR}/*.py at that release.",
+        f"# sha256 of every {vendor.UPSTREAM_DIR}/*.py at that release, and of the",
+        f"# other upstream files the series changes ({', '.join(vendor.OUTSIDE_FILES)}).",
         "[files]",
         *(f'"{rel}" = "{digest}"' for rel, digest in sorted(files.items())),
     ]

@@ -65,15 +65,16 @@ def lay_out(
     version = vendor.read_base(pdir).torch_version
     touched: dict[str, tuple[str, str | None]] = {}
     for path in sorted((work / vendor.UPSTREAM_DIR).glob("*.py")):
-        pristine = root.parent / vendor.UPSTREAM_DIR / path.name
-        upstream = path.read_text()
-        if not pristine.exists() or pristine.read_text() != upstream:
-            touched[f"{vendor.UPSTREAM_DIR}/{path.name}"] = (
-                upstream,
-                pristine.read_text() if pristine.exists() else None,
-            )
-        text = vendor.rewrite(path.name, upstream, version)
+        text = vendor.rewrite(path.name, path.read_text(), version)
         (package / vendor.VENDORED_NAME / path.name).write_text(text)
+    for rel in [
+        *(p.relative_to(work) for p in (work / vendor.UPSTREAM_DIR).glob("*.py")),
+        *map(Path, vendor.OUTSIDE_FILES),
+    ]:
+        pristine = root.parent / rel
+        upstream = (work / rel).read_text()
+        if not pristine.exists() or pristine.read_text() != upstream:
+            touched[str(rel)] = (upstream, pristine.read_text() if pristine.exists() else None)
     (package / "__init__.py").write_text(STAND_IN_INIT)
     for name in STAND_IN_MODULES:
         shutil.copyfile(REPO / vendor.PACKAGE / name, package / name)
