@@ -55,6 +55,6 @@ class BuildPyWithVendoring(build_py):
 
 
 setup(
-    packages=["torch_fsdp_ext", "torch_fsdp_ext._testing"],
+    packages=["torch_fsdp_ext"],
     cmdclass={"build_py": BuildPyWithVendoring},
 )

@@ -36,7 +36,7 @@ Only code that calls ``apply_fsdp_to_decoder`` or
 import ``fully_shard`` themselves keep torch's.
 
 The harness that runs torchtitan's debug models on CPU ranks for the tests
-and the demo is ``torch_fsdp_ext._testing.torchtitan``, not user API.
+and the demo is ``fsdp_ext_testing.torchtitan``, not user API.
 """
 
 from __future__ import annotations

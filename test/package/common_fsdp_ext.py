@@ -6,7 +6,7 @@ skips every test when ``torch.accelerator.device_count()`` is below the world
 size, which is always the case on CPU. This base runs the same test body on
 gloo/CPU, and on NCCL when enough CUDA GPUs are present; a CUDA machine with
 too few GPUs skips cleanly. The models, the collective recorder and the memory
-measurements live in ``torch_fsdp_ext._testing``, shared with the demos and the
+measurements live in ``fsdp_ext_testing``, shared with the demos and the
 benchmark.
 """
 
@@ -37,10 +37,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _vendor as vendor
 
-# The tests take the residual MLP stack from here; it lives in _testing, shared with the bench
-from torch_fsdp_ext._testing.models import Block, Model  # noqa: F401
+# The tests take the residual MLP stack from here; it lives in fsdp_ext_testing, shared with the bench
+from fsdp_ext_testing.models import Block, Model  # noqa: F401
+from torch_fsdp_ext import _vendor as vendor
 
 DEVICE_TYPE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "nccl" if DEVICE_TYPE == "cuda" else "gloo"

@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.common_utils import run_tests
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_ext_testing.comm_recorder import CommRecorder
 from torch_fsdp_ext import FSDPBackend
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch_fsdp_ext._testing.comm_recorder import CommRecorder
 
 DEVICE = torch.device("cpu")
 

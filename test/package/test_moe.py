@@ -1,5 +1,5 @@
 """MoE with expert parallelism and per-parameter meshes: the three wrappings of
-``torch_fsdp_ext/_testing/moe.py`` train bitwise alike, their collectives come in the
+``test/fsdp_ext_testing/moe.py`` train bitwise alike, their collectives come in the
 expected order, and DCP round-trips them.
 
 - ``old``: ``fully_shard(block.moe.experts, mesh=efsdp)`` + ``fully_shard(block, mesh=dp)``;
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_utils import run_tests
 
+from fsdp_ext_testing import moe
 from torch_fsdp_ext import FSDPBackend
-from torch_fsdp_ext._testing import moe
 
 ARGS = moe.MoEArgs()
 

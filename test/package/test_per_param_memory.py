@@ -19,8 +19,8 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-from torch_fsdp_ext._testing.comm_recorder import CommRecorder
-from torch_fsdp_ext._testing.memory import StepPeaks, step_peak_bytes
+from fsdp_ext_testing.comm_recorder import CommRecorder
+from fsdp_ext_testing.memory import StepPeaks, step_peak_bytes
 
 WORLD_SIZE = FakeProcessGroupTestCase.world_size
 FP32_BYTES = 4

@@ -8,7 +8,7 @@ with bitwise-equal losses, gradient norms and every rank's parameter and
 gradient shards at every step. llama3 at W=2; deepseek_v3 (MoE) at W=4 with
 expert parallelism 2, where the routed experts go to the efsdp mesh through
 torch's ``ShardPlacementResult``. Multi-process gloo on CPU ranks, with the CPU
-shims of ``torch_fsdp_ext._testing.torchtitan.apply_cpu_shims``.
+shims of ``fsdp_ext_testing.torchtitan.apply_cpu_shims``.
 """
 
 import math
@@ -38,7 +38,7 @@ from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.distributed import ParallelDims  # noqa: E402
 
 import torch_fsdp_ext  # noqa: E402
-from torch_fsdp_ext._testing.torchtitan import DebugRun, debug_config  # noqa: E402
+from fsdp_ext_testing.torchtitan import DebugRun, debug_config  # noqa: E402
 from torch_fsdp_ext.torchtitan import (  # noqa: E402
     FSDPExtSettings,
     TorchtitanLayoutError,

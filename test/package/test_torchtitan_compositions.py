@@ -65,8 +65,8 @@ from torch.utils._pytree import tree_map_only
 from torchtitan.distributed import ParallelDims
 
 import torch_fsdp_ext
-from torch_fsdp_ext._testing.moe import FeedForward
-from torch_fsdp_ext._testing.torchtitan import DebugRun, debug_config
+from fsdp_ext_testing.moe import FeedForward
+from fsdp_ext_testing.torchtitan import DebugRun, debug_config
 from torch_fsdp_ext.torchtitan import FSDPExtSettings
 
 try:

@@ -24,7 +24,7 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-from torch_fsdp_ext._testing import CARRIED_ENV
+from fsdp_ext_testing import CARRIED_ENV
 from torch_fsdp_ext._vendor import primary_version, release
 
 # The lane's folder, which it puts first on PYTHONPATH; here its module is

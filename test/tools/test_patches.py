@@ -42,7 +42,7 @@ LAYOUT = (
     "torch_fsdp_ext/_upstream_types.py",
     "torch_fsdp_ext/_torch_compat.py",
     "torch_fsdp_ext/_clip_grad.py",
-    "torch_fsdp_ext/_testing",
+    "test/fsdp_ext_testing",
     "test/upstream",
     "test/conftest.py",
 )
@@ -840,7 +840,8 @@ class TestPatchToolingApplyToPytorch(_TempRepoTestCase):
 
 class TestPatchToolingWheel(_TempRepoTestCase):
     def test_wheel_contains_generated_copy_and_series(self):
-        """Tests that pip wheel --no-build-isolation ships the generated copy and the series (slow, ~20 s)."""
+        """Tests that pip wheel --no-build-isolation ships the generated copy and
+        the series, and not the test harness (slow, ~20 s)."""
         repo = self.new_repo(build=True)
         out = self.tmp / "dist"
         proc = subprocess.run(
@@ -871,7 +872,6 @@ class TestPatchToolingWheel(_TempRepoTestCase):
         for name in (
             "torch_fsdp_ext/__init__.py",
             "torch_fsdp_ext/_upstream_types.py",
-            "torch_fsdp_ext/_testing/moe.py",
             "torch_fsdp_ext/_vendor.py",
             "torch_fsdp_ext/_fully_shard/_fully_shard.py",
             "torch_fsdp_ext/_fully_shard/VENDORED.json",
@@ -882,6 +882,8 @@ class TestPatchToolingWheel(_TempRepoTestCase):
             *(f"torch_fsdp_ext/_fully_shard/{n}" for n in stamp["files"]),
         ):
             self.assertIn(name, names)
+        # The package holds only what users import: no test harness
+        self.assertEqual([n for n in names if "fsdp_ext_testing" in n], [])
 
 
 if __name__ == "__main__":

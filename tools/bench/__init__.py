@@ -29,7 +29,7 @@ exact profiler method of test/package/test_per_param_memory.py on CPU, CUDA
 memory stats on GPU, where the reduction peak is not measured); number and
 bytes of collectives.
 
-Models: two Llama-like transformers (torch_fsdp_ext/_testing/models.py's, scaled to CPU), the
+Models: two Llama-like transformers (test/fsdp_ext_testing/models.py's, scaled to CPU), the
 residual MLP stack of the memory test, a group of many small parameters
 (64 of 64x64), a group of few large ones (2 of 2048x2048), a sweep of one
 group of n params at a fixed total size, and the MoE transformer of
@@ -50,3 +50,9 @@ OUT/bench.json (or --json PATH), OUT/bench.md (also printed) and PNG plots
 torch.profiler tables and memory-peak sites in OUT/profiles/.
 Results and commands for this repository's machine: docs/results.md.
 """
+
+import sys
+from pathlib import Path
+
+# The models and measurements the bench shares with the tests (fsdp_ext_testing)
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "test"))

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.distributed.fsdp as upstream_fsdp
 import torch.nn as nn
 
-from torch_fsdp_ext._testing.comm_recorder import CommRecorder
-from torch_fsdp_ext._testing.memory import (
+from fsdp_ext_testing.comm_recorder import CommRecorder
+from fsdp_ext_testing.memory import (
     REDUCE_LABEL,
     LossFn,
     StepPeaks,

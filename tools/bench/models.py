@@ -3,7 +3,7 @@ stack, chains of equal square parameters (and the sweep of them), the MoE
 transformer. A :class:`ModelSpec` builds one from seed 42, sharded with a mode
 on its mesh, and gives its input and loss.
 
-``Transformer`` comes from ``torch_fsdp_ext/_testing/models.py``.
+``Transformer`` comes from ``test/fsdp_ext_testing/models.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torch_fsdp_ext._testing import moe
-from torch_fsdp_ext._testing.memory import LossFn, sum_loss
-from torch_fsdp_ext._testing.models import Model, Transformer
+from fsdp_ext_testing import moe
+from fsdp_ext_testing.memory import LossFn, sum_loss
+from fsdp_ext_testing.models import Model, Transformer
 
 from .modes import Mode, shard, shard_moe
 
@@ -115,7 +115,7 @@ def _llama(name: str, vocab: int, dim: int, heads: int, layers: int, batch: int,
         name,
         "llama",
         dict(vocab=vocab, dim=dim, heads=heads, layers=layers, batch=batch, seq=seq),
-        f"transformer (torch_fsdp_ext/_testing/models.py): vocab {vocab}, dim {dim}, {heads} heads, "
+        f"transformer (test/fsdp_ext_testing/models.py): vocab {vocab}, dim {dim}, {heads} heads, "
         f"{layers} blocks, batch {batch}x{seq} tokens; fully_shard per block + root",
     )
 
@@ -138,7 +138,7 @@ MODELS = {
             "mlp",
             "mlp",
             dict(dim=256, hidden=1024, blocks=3, batch=4),
-            "residual MLP stack of torch_fsdp_ext/_testing/models.py (dim 256, hidden 1024, "
+            "residual MLP stack of test/fsdp_ext_testing/models.py (dim 256, hidden 1024, "
             "3 blocks, batch 4; the model of test/package/test_per_param_memory.py): "
             "parameters outweigh activations; fully_shard per block + root",
         ),
@@ -148,7 +148,7 @@ MODELS = {
             "moe",
             "moe",
             dict(vocab=64, dim=32, heads=4, layers=2, experts=4, top_k=2, ep=2, batch=2, seq=16),
-            "MoE transformer of torch_fsdp_ext/_testing/moe.py at tools/demos/moe.py's sizes: "
+            "MoE transformer of test/fsdp_ext_testing/moe.py at tools/demos/moe.py's sizes: "
             "vocab 64, dim 32, 4 heads, 2 blocks of 4 routed experts (top 2) + a shared "
             "expert, batch 2x16 tokens; experts Shard(0) on ep 2 and Shard(1) on efsdp W/2, the "
             "rest on all ranks; upstream: fully_shard(experts) + fully_shard(block) + root, the "

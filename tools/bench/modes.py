@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import torch_fsdp_ext
-from torch_fsdp_ext._testing import CARRIED_ENV, moe
+from fsdp_ext_testing import CARRIED_ENV, moe
 
 
 @dataclass(frozen=True)

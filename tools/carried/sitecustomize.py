@@ -20,7 +20,7 @@ import importlib.util
 import os
 import sys
 
-# ``torch_fsdp_ext._testing.CARRIED_ENV``, which the bench reads
+# ``fsdp_ext_testing.CARRIED_ENV``, which the bench reads
 CARRIED_ENV = "TORCH_FSDP_EXT_CARRIED"
 
 

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _ranks import rank_rows
 
-from torch_fsdp_ext._testing.models import Transformer
+from fsdp_ext_testing.models import Transformer
 
 log = logging.getLogger("torch_fsdp_ext.demo")
 

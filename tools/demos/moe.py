@@ -42,7 +42,7 @@ COLUMNS = {"old": "(a) old", "grouped": "(b) grouped", "per-param": "(c) per-par
 
 
 def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None:
-    from torch_fsdp_ext._testing import moe
+    from fsdp_ext_testing import moe
 
     # Four ranks share few cores: one intra-op thread each avoids oversubscription
     torch.set_num_threads(1)

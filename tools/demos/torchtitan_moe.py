@@ -16,7 +16,7 @@ columns train it from the same seed on the same tokens:
 loss is the global loss torchtitan logs. "match" says whether the three
 losses, gradient norms and every rank's sharded parameters after the
 optimizer step are bitwise equal (with --deterministic: (b) and (c)). The exit code is 1 if any step does not
-match. CPU shims: see torch_fsdp_ext._testing.torchtitan.apply_cpu_shims and
+match. CPU shims: see fsdp_ext_testing.torchtitan.apply_cpu_shims and
 docs/torchtitan.md.
 """
 
@@ -45,7 +45,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, queue) -> None
     warnings.filterwarnings("ignore")
     from torchtitan.distributed import ParallelDims
 
-    from torch_fsdp_ext._testing.torchtitan import DebugRun, debug_config
+    from fsdp_ext_testing.torchtitan import DebugRun, debug_config
     from torch_fsdp_ext.torchtitan import FSDPExtSettings
 
     # Four ranks share few cores: one intra-op thread each avoids oversubscription

@@ -2,7 +2,7 @@
 """Backward peak of per-parameter collectives against grouped ones, on gloo.
 
 For each world size, mixed-precision setting and residual-MLP shape
-(``dim:hidden:blocks``, torch_fsdp_ext/_testing/models.py's ``Model``, one
+(``dim:hidden:blocks``, test/fsdp_ext_testing/models.py's ``Model``, one
 ``fully_shard`` per block and the root), one gloo process per rank measures
 the peak bytes allocated in one backward (``step_peak_bytes``: the profiler's
 allocations, gloo's own threads included), ``--repeats`` times per mode,
@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,8 +36,11 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
 import torch_fsdp_ext
-from torch_fsdp_ext._testing.memory import step_peak_bytes
-from torch_fsdp_ext._testing.models import Model
+
+# The models and measurements shared with the tests (test/fsdp_ext_testing)
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "test"))
+from fsdp_ext_testing.memory import step_peak_bytes  # noqa: E402
+from fsdp_ext_testing.models import Model  # noqa: E402
 
 MODES = {
     # name: (group_collectives, supports_coalescing)

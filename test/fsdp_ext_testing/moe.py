@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import torch_fsdp_ext
-from torch_fsdp_ext._testing.comm_recorder import CommRecorder
+from fsdp_ext_testing.comm_recorder import CommRecorder
 
 MODES = ("old", "grouped", "per-param")
 
