@@ -5,8 +5,10 @@ flake8-comprehensions), TorchFix, pyrefly and mypy. This runs each (ruff from
 requirements.txt, the others from requirements-lint.txt) on every file the
 series touches, once in a copy of the installed torch with the pristine files
 and once with the patched ones, and prints the findings per tool (by file,
-code and message, not line) and the ones only the patched tree has. It exits
-1 if there is any. ruff, flake8 and TorchFix see the ``torch/`` and ``test/``
+code and message, not line) and the new ones: those whose file has more
+findings of their code patched than pristine (a pristine finding whose message
+quotes an edited line is listed as changed, not new). It exits 1 if there is a
+new one. ruff, flake8 and TorchFix see the ``torch/`` and ``test/``
 files; pyrefly and mypy the ``torch/`` ones only, as PyTorch's ``mypy.ini``
 ``files`` and ``pyrefly.toml`` ``project-includes`` leave
 ``test/distributed/`` out.
@@ -96,6 +98,21 @@ def _findings(tool: str, python: str, root: Path, rels: list[str], config: Path)
     return found
 
 
+def _code(finding: str) -> tuple[str, str]:
+    """(file, code) of a finding: flake8's and ruff's leading code, pyrefly's
+    and mypy's trailing ``[code]``, else the whole message."""
+    file, msg = finding.split(": ", 1)
+    m = re.search(r"\[([\w-]+)\]$", msg) or re.match(r"([A-Z]+\d+)\b", msg)
+    return file, m.group(1) if m else msg
+
+
+def _by_code(findings: collections.Counter[str]) -> collections.Counter[tuple[str, str]]:
+    by_code: collections.Counter[tuple[str, str]] = collections.Counter()
+    for finding, n in findings.items():
+        by_code[_code(finding)] += n
+    return by_code
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -144,14 +161,23 @@ def main() -> int:
             }
     new_total = 0
     for tool in args.tools:
-        new = counts["patched"][tool] - counts["pristine"][tool]
-        new_total += sum(new.values())
+        pristine, patched = counts["pristine"][tool], counts["patched"][tool]
+        # A finding is new if its file has more of its code than pristine has;
+        # otherwise a changed message is a pristine finding on an edited line
+        # (e.g. an overload's signature, quoted in the message, gained a keyword)
+        new_codes = _by_code(patched) - _by_code(pristine)
+        differ = patched - pristine
+        new = [f for f in sorted(differ.elements()) if _code(f) in new_codes]
+        changed = [f for f in sorted(differ.elements()) if _code(f) not in new_codes]
+        new_total += sum(new_codes.values())
         print(
-            f"{tool}: pristine {sum(counts['pristine'][tool].values())}, "
-            f"patched {sum(counts['patched'][tool].values())}, new {sum(new.values())}"
+            f"{tool}: pristine {pristine.total()}, patched {patched.total()}, "
+            f"new {sum(new_codes.values())}"
         )
-        for finding in sorted(new.elements()):
+        for finding in new:
             print(f"  new: {finding}")
+        for finding in changed:
+            print(f"  changed (a pristine finding, reworded): {finding}")
     print(f"{len(rels)} torch/ and test/ files of {ws}")
     return 1 if new_total else 0
 
