@@ -27,7 +27,7 @@ import torch
 from packaging.requirements import Requirement
 from torch.testing._internal.common_utils import TestCase, run_tests
 
-from torch_fsdp_ext._vendor import patch_subject
+from torch_fsdp_ext._vendor import OUTSIDE_FILES, patch_subject
 
 REPO = Path(__file__).resolve().parents[2]
 # The series of the installed torch, relative to a repository copy
@@ -628,6 +628,8 @@ class TestPatchToolingBases(_TempRepoTestCase):
             root / "distributed/fsdp/_fully_shard",
             ignore=shutil.ignore_patterns("__pycache__"),
         )
+        for rel in OUTSIDE_FILES:
+            shutil.copyfile(Path(torch.__file__).parent.parent / rel, self.tmp / name / rel)
         for file, (old, new) in edit.items():
             path = root / "distributed/fsdp/_fully_shard" / file
             text = path.read_text()
@@ -752,6 +754,8 @@ class TestPatchToolingBases(_TempRepoTestCase):
             zf.write(site / "torch/version.py", "torch/version.py")
             for path in (site / "torch/distributed/fsdp/_fully_shard").glob("*.py"):
                 zf.write(path, str(path.relative_to(site)))
+            for rel in OUTSIDE_FILES:
+                zf.write(site / rel, rel)
         proc = run(repo, "tools/patches.py", "check", "--torch", str(wheel))
         self.assertSucceeds(proc)
         self.assertIn("ok: export round trip is a no-op", proc.stdout)
