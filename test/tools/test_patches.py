@@ -183,6 +183,18 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         self.assertIn("ok: export round trip is a no-op", proc.stdout)
         self.assertIn(str(self.repo / VENDORED), proc.stdout)
 
+    def test_names_a_public_name_the_patched_fsdp_does_not_export(self):
+        """Tests that ``patches.py check`` imports torch with the series in place
+        and names a ``_fully_shard.__all__`` name that ``torch.distributed.fsdp``
+        does not export as its own: here the registry patch leaves
+        ``FSDPBackend.__module__`` private."""
+        repo = self.new_repo(vendored=True)
+        line = '+FSDPBackend.__module__ = "torch.distributed.fsdp"\n'
+        (patch,) = [p for p in series(repo) if line in p.read_text()]
+        patch.write_text(patch.read_text().replace(line, line.replace('fsdp"', 'fsdp._x"')))
+        proc = run(repo, "tools/patches.py", "check")
+        self.assertFails(proc, "torch.distributed.fsdp does not export ['FSDPBackend']")
+
     @pytest.mark.slow
     def test_every_tool_answers_help(self):
         """Tests that every script under tools/, every package there run as a

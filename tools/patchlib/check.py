@@ -17,7 +17,11 @@ For the chosen base (--base/--torch, default the installed torch):
 5. torch_fsdp_ext/_fully_shard/ equals base + series + rewrites (installed torch only);
 6. exporting the series again (git format-patch) reproduces it byte for byte;
 7. every file the series touches passes PyTorch's ruff lint and format
-   (tools/patchlib/pytorch_ruff.toml) with no finding its pristine file lacks.
+   (tools/patchlib/pytorch_ruff.toml) with no finding its pristine file lacks;
+8. the installed torch with the series in place (a hard-linked copy) imports,
+   and ``torch.distributed.fsdp`` exports every name of ``_fully_shard.__all__``
+   as its own (``__all__`` and ``__module__``), as upstream does (installed
+   torch only).
 
 It also prints the churn: lines one patch adds that a later one changes again.
 """
@@ -26,22 +30,28 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from .common import (
+    BASE_TAG,
     PATCHES,
     Target,
     add_base_arguments,
     am_series,
     churn,
     format_patches,
+    git,
     init_base_repo,
     lint_errors,
     log,
     patch_subjects,
     resolve_target,
     series_test_files,
+    torch_tree,
     upstream_test_files,
     vendor,
 )
@@ -130,6 +140,48 @@ def check_bases_agree() -> list[str]:
     return errors
 
 
+# Run by the torch copy's own python: what upstream's CI first does with the PR
+IN_TREE_PROBE = """
+import sys
+import torch.distributed.fsdp as fsdp
+from torch.distributed.fsdp import _fully_shard
+assert fsdp.__file__.startswith(sys.argv[1]), fsdp.__file__
+print([
+    name
+    for name in _fully_shard.__all__
+    if name not in fsdp.__all__
+    or getattr(fsdp, name).__module__ != "torch.distributed.fsdp"
+])
+"""
+
+
+def check_in_tree(torch_root: Path, ws: Path) -> list[str]:
+    """Import ``torch.distributed.fsdp`` from a copy of the installed torch
+    with ``ws``'s ``HEAD`` in place; the names it does not export as its own."""
+    paths = git(ws, "diff", "--name-only", "--diff-filter=AM", BASE_TAG, "HEAD", "--", "torch/")
+    files = {path: git(ws, "show", f"HEAD:{path}").stdout for path in paths.stdout.split()}
+    with tempfile.TemporaryDirectory(prefix="torch_fsdp_ext-in-tree-") as tmp:
+        torch_tree(torch_root, Path(tmp), files)
+        proc = subprocess.run(
+            [sys.executable, "-c", IN_TREE_PROBE, tmp],
+            cwd=tmp,
+            env={**os.environ, "PYTHONPATH": tmp},
+            capture_output=True,
+            text=True,
+        )
+    if proc.returncode != 0:
+        return [f"torch with the series in place fails to import:\n{proc.stderr.strip()[-2000:]}"]
+    if (unexported := proc.stdout.strip()) != "[]":
+        return [
+            f"torch.distributed.fsdp does not export {unexported} of _fully_shard.__all__ "
+            "(its import, __all__ and __module__ lines). Fix: the patch that adds the name"
+        ]
+    log.info(
+        "ok: torch with the series in place imports; torch.distributed.fsdp exports _fully_shard's names"
+    )
+    return []
+
+
 def check_base(target: Target, vendored_dir: Path) -> list[str]:
     errors = []
     base = vendor.read_base(target.pdir)
@@ -178,6 +230,9 @@ def check_base(target: Target, vendored_dir: Path) -> list[str]:
             errors += lint
         else:
             log.info("ok: PyTorch's ruff lint and format find nothing the pristine files lack")
+
+        if target.installed:
+            errors += check_in_tree(target.root, ws)
 
         counts = churn(ws)
         for (k, j), n in sorted(counts.items()):

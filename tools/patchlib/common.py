@@ -111,6 +111,25 @@ def torch_from_wheel(wheel: Path) -> Path:
     return tmp / "torch"
 
 
+def torch_tree(torch_dir: Path, root: Path, files: dict[str, str]) -> None:
+    """A copy of the torch package at ``torch_dir`` under ``root/torch`` (hard
+    links, so it costs no data) with ``files`` (upstream path -> text) written in."""
+
+    def link(src: str, dst: str) -> None:
+        try:
+            Path(dst).hardlink_to(src)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(torch_dir, root / "torch", copy_function=link, symlinks=True, ignore=ignore)
+    for rel, text in files.items():
+        path = root / rel
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
 def torch_at(path: Path) -> Path:
     """A torch package directory given as itself, its site-packages, or a wheel."""
     if path.suffix == ".whl":

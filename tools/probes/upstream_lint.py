@@ -35,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
-from patchlib.common import PYTORCH_RUFF  # noqa: E402
+from patchlib.common import PYTORCH_RUFF, torch_tree  # noqa: E402
 
 TOOLS = ("ruff", "flake8", "torchfix", "pyrefly", "mypy")
 # PyTorch's type checkers cover torch/ and a few named test files only
@@ -44,24 +44,6 @@ TYPE_CHECKERS = ("pyrefly", "mypy")
 
 def _git(ws: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=ws, check=True, capture_output=True, text=True).stdout
-
-
-def _tree(torch_dir: Path, root: Path, files: dict[str, str]) -> None:
-    """A copy of the installed torch package under ``root/torch`` (hard links,
-    so it costs no data) with ``files`` (upstream path -> text) written in."""
-    shutil.copytree(torch_dir, root / "torch", copy_function=_link, symlinks=True)
-    for rel, text in files.items():
-        path = root / rel
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-
-
-def _link(src: str, dst: str) -> None:
-    try:
-        Path(dst).hardlink_to(src)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _findings(tool: str, python: str, root: Path, rels: list[str], config: Path) -> list[str]:
@@ -151,7 +133,7 @@ def main() -> int:
                 )
                 if proc.returncode == 0:
                     files[rel] = proc.stdout
-            _tree(torch_dir, root, files)
+            torch_tree(torch_dir, root, files)
             present = [rel for rel in rels if rel in files]
             counts[name] = {
                 tool: collections.Counter(
