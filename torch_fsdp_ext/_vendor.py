@@ -361,6 +361,15 @@ def torch_commit(root: Path) -> str:
     return _version_py_field(root, "git_version")
 
 
+def upstream_files(top: Path) -> list[str]:
+    """The series' upstream paths present under ``top`` (a site-packages or a
+    tree at upstream paths): ``UPSTREAM_DIR/*.py`` and :data:`OUTSIDE_FILES`."""
+    return sorted(
+        [f"{UPSTREAM_DIR}/{p.name}" for p in (top / UPSTREAM_DIR).glob("*.py")]
+        + [rel for rel in OUTSIDE_FILES if (top / rel).is_file()]
+    )
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

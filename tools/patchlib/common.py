@@ -248,11 +248,10 @@ def am_series(path: Path, patches: list[Path], *, reproducible: bool = True) -> 
 def base_files(root: Path) -> dict[str, str]:
     """Upstream path -> sha256 of every ``_fully_shard`` file of the torch at
     ``root``, and of ``vendor.OUTSIDE_FILES``."""
-    paths = [
-        *(p.relative_to(root.parent) for p in (root.parent / vendor.UPSTREAM_DIR).glob("*.py")),
-        *map(Path, vendor.OUTSIDE_FILES),
-    ]
-    return {str(rel): vendor.sha256((root.parent / rel).read_bytes()) for rel in sorted(paths)}
+    return {
+        rel: vendor.sha256((root.parent / rel).read_bytes())
+        for rel in vendor.upstream_files(root.parent)
+    }
 
 
 def write_base_toml(

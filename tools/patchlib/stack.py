@@ -67,14 +67,11 @@ def lay_out(
     for path in sorted((work / vendor.UPSTREAM_DIR).glob("*.py")):
         text = vendor.rewrite(path.name, path.read_text(), version)
         (package / vendor.VENDORED_NAME / path.name).write_text(text)
-    for rel in [
-        *(p.relative_to(work) for p in (work / vendor.UPSTREAM_DIR).glob("*.py")),
-        *map(Path, vendor.OUTSIDE_FILES),
-    ]:
+    for rel in vendor.upstream_files(work):
         pristine = root.parent / rel
         upstream = (work / rel).read_text()
         if not pristine.exists() or pristine.read_text() != upstream:
-            touched[str(rel)] = (upstream, pristine.read_text() if pristine.exists() else None)
+            touched[rel] = (upstream, pristine.read_text() if pristine.exists() else None)
     (package / "__init__.py").write_text(STAND_IN_INIT)
     for name in STAND_IN_MODULES:
         shutil.copyfile(REPO / vendor.PACKAGE / name, package / name)
