@@ -16,6 +16,15 @@ every collective right after issuing it, which avoids the crash; that is the
 workaround this project's MoE test model uses. See
 docs/upstream-gloo-funcol-heap-corruption.md.
 
+``--collective`` narrows it to c10d's own all-gathers, with no functional
+collectives and no autograd through them: the same three all-gathers
+(float32, float32 and int64) issued asynchronously, the small MLP computed
+while they run, then the experts on the gathered tokens. ``c10d-coalesced``
+issues each through gloo's coalesced all-gather
+(``ProcessGroup.all_gather_single_coalesced``, which FSDP's per-parameter
+mode uses where coalescing is on), ``c10d`` through the plain
+``all_gather_into_tensor``.
+
 Exit status: 0 if every rank finished, 1 if a rank died.
 """
 
@@ -31,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 WORLD_SIZE = 4
 TOKENS, DIM, EXPERTS_PER_RANK = 18, 32, 2
@@ -40,6 +50,29 @@ def _maybe_wait(t: torch.Tensor, sync: bool) -> torch.Tensor:
     if sync and isinstance(t, funcol.AsyncCollectiveTensor):
         return t.wait()
     return t
+
+
+def _c10d_all_gather(
+    tensor: torch.Tensor, group: dist.ProcessGroup, coalesced: bool
+) -> tuple[torch.Tensor, dist.Work]:
+    tensor = tensor.detach()
+    output = tensor.new_empty((tensor.size(0) * group.size(), *tensor.shape[1:]))
+    if coalesced:
+        opts = AllgatherOptions()
+        opts.asyncOp = True
+        return output, group.all_gather_single_coalesced([output], [tensor], opts)
+    return output, dist.all_gather_into_tensor(output, tensor, group=group, async_op=True)
+
+
+def _experts(
+    gx: torch.Tensor, gw: torch.Tensor, gi: torch.Tensor, w_experts: torch.Tensor, first: int
+) -> torch.Tensor:
+    out = torch.zeros_like(gx)
+    for e in range(EXPERTS_PER_RANK):
+        tokens, slots = (gi == first + e).nonzero(as_tuple=True)
+        y = F.silu(gx[tokens] @ w_experts[e])
+        out = out.index_add(0, tokens, y * gw[tokens, slots, None])
+    return out
 
 
 def _worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
@@ -56,17 +89,30 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
     for it in range(args.iterations):
         x = torch.randn(TOKENS, DIM, requires_grad=True) * 1.0
         weights, indices = torch.randn(TOKENS, 4, requires_grad=True).softmax(-1).topk(2, dim=-1)
-        gx = _maybe_wait(funcol.all_gather_single_autograd(x, 0, ep), args.sync)
-        gw = _maybe_wait(funcol.all_gather_single_autograd(weights, 0, ep), args.sync)
-        gi = _maybe_wait(funcol.all_gather_single(indices, 0, ep), args.sync)
-        out = torch.zeros_like(gx)
-        for e in range(EXPERTS_PER_RANK):
-            tokens, slots = (gi == first_expert + e).nonzero(as_tuple=True)
-            y = F.silu(gx[tokens] @ w_experts[e])
-            out = out.index_add(0, tokens, y * gw[tokens, slots, None])
-        reduced = _maybe_wait(funcol.reduce_scatter_single_autograd(out, "sum", 0, ep), args.sync)
-        shared = F.silu(x @ w_shared) @ w_shared  # computed while the reduce-scatter runs
-        (reduced + shared).square().mean().backward()
+        if args.collective == "funcol":
+            gx = _maybe_wait(funcol.all_gather_single_autograd(x, 0, ep), args.sync)
+            gw = _maybe_wait(funcol.all_gather_single_autograd(weights, 0, ep), args.sync)
+            gi = _maybe_wait(funcol.all_gather_single(indices, 0, ep), args.sync)
+            out = _experts(gx, gw, gi, w_experts, first_expert)
+            reduced = _maybe_wait(
+                funcol.reduce_scatter_single_autograd(out, "sum", 0, ep), args.sync
+            )
+            shared = F.silu(x @ w_shared) @ w_shared  # computed while the reduce-scatter runs
+            (reduced + shared).square().mean().backward()
+        else:
+            gathers = [
+                _c10d_all_gather(t, ep, args.collective == "c10d-coalesced")
+                for t in (x, weights, indices)
+            ]
+            if args.sync:
+                for _, work in gathers:
+                    work.wait()
+            shared = F.silu(x @ w_shared) @ w_shared  # computed while the all-gathers run
+            for _, work in gathers:
+                work.wait()
+            gx, gw, gi = (output for output, _ in gathers)
+            out = _experts(gx, gw, gi, w_experts, first_expert)
+            (out.sum() + shared.square().mean()).backward()
         with torch.no_grad():
             for p in (w_experts, w_shared):
                 p -= 1e-3 * p.grad
@@ -87,9 +133,19 @@ def main() -> None:
     parser.add_argument(
         "--sync", action="store_true", help="wait for each collective at once (the workaround)"
     )
+    parser.add_argument(
+        "--collective",
+        choices=("funcol", "c10d-coalesced", "c10d"),
+        default="funcol",
+        help="what gathers the tokens (default funcol; see above)",
+    )
     args = parser.parse_args()
     os.environ["MALLOC_PERTURB_"] = str(args.perturb)
-    print(f"torch {torch.__version__}, {WORLD_SIZE} ranks on gloo, sync={args.sync}", flush=True)
+    print(
+        f"torch {torch.__version__}, {WORLD_SIZE} ranks on gloo, "
+        f"collective={args.collective}, sync={args.sync}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.start_processes(

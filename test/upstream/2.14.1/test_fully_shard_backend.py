@@ -230,6 +230,22 @@ _TPU = _C10dBackend("tpu_dist", supports_coalescing=False)
 _GLOO = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
 
 
+class _CoalescingGloo(dist.ProcessGroupGloo):
+    """A gloo c10d backend that reports coalescing (gloo implements the
+    coalesced ops but does not report them)."""
+
+    supports_coalescing = True
+
+
+class _Work:
+    def __init__(self):
+        self.waited = False
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
 class _FakeGroup:
     """A process group of ``size`` ranks whose c10d backend for "meta" is
     ``backend`` (none if ``None``)."""
@@ -281,14 +297,14 @@ class TestFullyShardBackendCapabilities(TestCase):
         group, other = _FakeGroup(2, _NCCL), _FakeGroup(2, _TPU)
         for _ in range(3):
             self.assertEqual(
-                tuple(_get_comm_capabilities(group, meta)), (True, True, True)
+                tuple(_get_comm_capabilities(group, meta)), (True, True, True, True)
             )
             self.assertEqual(
-                tuple(_get_comm_capabilities(group, cpu)), (False, True, True)
+                tuple(_get_comm_capabilities(group, cpu)), (False, True, True, True)
             )
         self.assertEqual(group.backend_queries, 1)
         self.assertEqual(
-            tuple(_get_comm_capabilities(other, meta)), (False, True, True)
+            tuple(_get_comm_capabilities(other, meta)), (False, True, True, True)
         )
         self.assertEqual(other.backend_queries, 1)
 
@@ -314,6 +330,35 @@ class TestFullyShardBackendCapabilities(TestCase):
             )
             self.assertEqual(calls, expected, msg=str(dtypes))
 
+    def test_coalesced_op_on_gloo_is_waited_before_returning(self):
+        """Tests that a coalesced op is returned in flight for ``async_op``,
+        except on gloo, where it is waited first: gloo's coalesced all-gather
+        corrupted the heap with several in flight while the caller computed."""
+        coalescing_gloo = _CoalescingGloo(
+            dist.HashStore(), 0, 1, datetime.timedelta(seconds=60)
+        )
+        for backend, async_coalescing in ((_NCCL, True), (coalescing_gloo, False)):
+            group = _FakeGroup(2, backend)
+            caps = _get_comm_capabilities(group, torch.device("meta"))
+            self.assertEqual(
+                (caps.coalescing, caps.async_coalescing), (True, async_coalescing)
+            )
+            for async_op in (True, False):
+                work = _Work()
+                inputs = [torch.empty(2, device="meta") for _ in range(2)]
+                returned = _foreach_coalesced(
+                    lambda output, input: self.fail("expected one coalesced op"),
+                    lambda: work,
+                    [torch.empty_like(t) for t in inputs],
+                    inputs,
+                    group,
+                    async_op,
+                )
+                in_flight = async_op and async_coalescing
+                msg = f"{backend.name()}, async_op={async_op}"
+                self.assertIs(returned, work if in_flight else None, msg=msg)
+                self.assertIs(work.waited, not in_flight, msg=msg)
+
     def test_coalescing_follows_the_process_group(self):
         """Tests that coalescing comes from the process group's c10d backend
         for the device (``supports_coalescing``), not from its name: gloo's
@@ -332,19 +377,20 @@ class TestFullyShardBackendCapabilities(TestCase):
 
     def test_registration_overrides_capabilities(self):
         """Tests that a registration for the device type overrides exactly the
-        capabilities it sets, whatever the process group reports."""
+        capabilities it sets, whatever the process group reports, and that
+        coalescing turned on for gloo still waits its coalesced ops at once."""
         meta = torch.device("meta")
         with _registered(
             "meta", FSDPBackend(supports_coalescing=False, supports_avg=False)
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, _NCCL), meta)
-        self.assertEqual(tuple(caps), (False, False, True))
+        self.assertEqual(tuple(caps), (False, False, True, True))
         with _registered("meta", FSDPBackend(supports_premul_sum=True)):
             caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
-        self.assertEqual(tuple(caps), (False, True, True))
+        self.assertEqual(tuple(caps), (False, True, True, False))
         with _registered("meta", FSDPBackend(supports_coalescing=True)):
             caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
-        self.assertEqual(tuple(caps), (True, True, False))
+        self.assertEqual(tuple(caps), (True, True, False, False))
 
     def test_registration_applies_to_a_group_already_asked(self):
         """Tests that registering, re-registering and unregistering a
@@ -353,18 +399,22 @@ class TestFullyShardBackendCapabilities(TestCase):
         reports is cached)."""
         meta = torch.device("meta")
         group = _FakeGroup(2, _NCCL)
-        self.assertEqual(tuple(_get_comm_capabilities(group, meta)), (True, True, True))
+        self.assertEqual(
+            tuple(_get_comm_capabilities(group, meta)), (True, True, True, True)
+        )
         with _registered("meta", FSDPBackend(supports_coalescing=False)):
             self.assertEqual(
-                tuple(_get_comm_capabilities(group, meta)), (False, True, True)
+                tuple(_get_comm_capabilities(group, meta)), (False, True, True, True)
             )
             register_fsdp_backend(
                 "meta", FSDPBackend(supports_premul_sum=False), override=True
             )
             self.assertEqual(
-                tuple(_get_comm_capabilities(group, meta)), (True, True, False)
+                tuple(_get_comm_capabilities(group, meta)), (True, True, False, True)
             )
-        self.assertEqual(tuple(_get_comm_capabilities(group, meta)), (True, True, True))
+        self.assertEqual(
+            tuple(_get_comm_capabilities(group, meta)), (True, True, True, True)
+        )
         self.assertEqual(group.backend_queries, 1)
 
     def test_reduce_ops_follow_the_process_group(self):
