@@ -206,26 +206,51 @@ class TestFullyShardPerParamCoalescingBits(FSDPExtTestMultiProcess):
             self.assertTrue(torch.equal(param, full), msg=str(full.dtype))
 
 
+class _InFlightAllGather(DefaultAllGather):
+    """Leaves a group's all-gathers in flight for ``async_op``: one plain
+    asynchronous c10d all-gather per pair, returned as one work. gloo writes
+    each output from its worker thread after ``foreach`` returns (gloo's
+    coalesced all-gather is not left in flight; see ``_CommCapabilities``)."""
+
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        works = [
+            dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+            for output, input in zip(output_tensors, input_tensors, strict=True)
+        ]
+        work = torch._C._distributed_c10d._create_work_from_future(
+            torch.futures.collect_all([w.get_future() for w in works])
+        )
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
 class TestFullyShardPerParamAsyncUnshard(FSDPExtTestMultiProcess):
     def test_async_unshard_matches_grouped_coalesced_or_not(self):
         """Tests that with ``_set_unshard_async_op(True)`` (prefetched
         all-gathers in flight while the previous block computes), per-parameter
-        collectives, coalesced and one by one, train bitwise like grouped ones
-        over 5 steps. Coalesced, gloo writes each all-gather output from its
-        own thread after the call returns; the outputs' version counters must
-        still read as at issue, or autograd's saved-tensor check fails."""
+        collectives, coalesced, one by one and with a comm that leaves them in
+        flight, train bitwise like grouped ones over 5 steps. In flight, gloo
+        writes each all-gather output from its own thread after the call
+        returns; the outputs' version counters must still read as at issue, or
+        autograd's saved-tensor check fails."""
         models = {}
         for name, group_collectives, coalescing in (
             ("grouped", True, False),
             ("one by one", False, False),
             ("coalesced", False, True),
+            ("in flight", False, False),
         ):
             with registered_fsdp_backend(DEVICE.type, FSDPBackend(supports_coalescing=coalescing)):
                 model = _build(group_collectives)
                 model._set_unshard_async_op(True)
+                if name == "in flight":
+                    for module in fsdp_modules(model):
+                        module.set_custom_all_gather(_InFlightAllGather())
                 _train(model, self.rank, 5)
             models[name] = model
-        for name in ("one by one", "coalesced"):
+        for name in ("one by one", "coalesced", "in flight"):
             assert_models_bitwise_equal(
                 self, models[name], models["grouped"], f"{name} vs grouped", grads=False
             )
