@@ -348,7 +348,7 @@ class TestFullyShardBackendCapabilities(TestCase):
                 inputs = [torch.empty(2, device="meta") for _ in range(2)]
                 returned = _foreach_coalesced(
                     lambda output, input: self.fail("expected one coalesced op"),
-                    lambda: work,
+                    lambda work=work: work,
                     [torch.empty_like(t) for t in inputs],
                     inputs,
                     group,
