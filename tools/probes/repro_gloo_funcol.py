@@ -100,13 +100,11 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
             shared = F.silu(x @ w_shared) @ w_shared  # computed while the reduce-scatter runs
             (reduced + shared).square().mean().backward()
         else:
-            gathers = [
-                _c10d_all_gather(t, ep, args.collective == "c10d-coalesced")
-                for t in (x, weights, indices)
-            ]
-            if args.sync:
-                for _, work in gathers:
-                    work.wait()
+            gathers = []
+            for t in (x, weights, indices):
+                gathers.append(_c10d_all_gather(t, ep, args.collective == "c10d-coalesced"))
+                if args.sync:
+                    gathers[-1][1].wait()
             shared = F.silu(x @ w_shared) @ w_shared  # computed while the all-gathers run
             for _, work in gathers:
                 work.wait()
