@@ -1,22 +1,27 @@
 #!/usr/bin/env python3
-"""Train a Llama-like model with FSDP2 on torch_xla's PJRT CPU device, grouped
-and per-parameter, and count what each mode compiles and executes per step.
+"""Train a Llama-like model with FSDP2 on torch_xla's PJRT CPU device in three
+modes (grouped; per-parameter with tuple collectives, the ``xla`` default;
+per-parameter one by one), stepping ``torch.optim.AdamW`` as users do, and
+count what each mode compiles and executes per step.
 
-Two ranks run as two threads of one process (PJRT CPU's only multi-device
-form in torch_xla 2.9). Each mode runs in a fresh worker process; the parent
-compares the modes' final parameters bit for bit and writes::
+The ranks run as threads of one process (PJRT CPU's only multi-device form in
+torch_xla 2.9), one worker process per mode and world size. Every
+configuration (``CONFIGS``: fp32, bf16 parameters with fp32 reduction,
+``reshard_after_forward`` False and 2, gradient accumulation,
+``clip_grad_norm_``, W=2 and W=4) runs in every mode at
+``PARITY_XLA_FLAGS``; the parent requires the modes' final parameters to be
+equal bit for bit and every parameter to have moved. The fp32 configuration
+also runs at XLA's default optimization level, where each mode reports, for
+rank 0 per steady-state step: HLO op counts (``HLO_OPS``) before XLA's
+optimizations (the graphs torch_xla built) and after them (the compiled
+modules, ``--xla_dump_to``), ``host_round_trips`` (ops torch_xla ran on the
+host), ``graphs_compiled``, ``graphs_executed`` and the median ``step_ms``.
+The JSON report::
 
-    {"grouped": {...}, "per-param": {...}, "parity": bool}
+    {"counts": {mode: {...}}, "configs": {config: {"parity": bool, ...}}, "parity": bool}
 
-Each mode reports, per rank and steady-state step: the HLO op counts
-``concatenate``, ``copy``, ``dynamic_update_slice``, ``all_gather`` and
-``reduce_scatter`` summed over the step's graphs, ``host_round_trips`` (ops
-torch_xla ran on the host), ``graphs_compiled``, ``graphs_executed`` and the
-median ``step_ms``. Each mode's distance to an unsharded ATen CPU reference is
-printed (XLA:CPU's matmuls are not ATen's, so it is not zero).
-
-Only the test bed lives here (threads as ranks, XLA channel ids for the
-collectives); what FSDP needs on an ``xla`` device comes from
+Only the test bed lives here (threads as ranks, XLA channel ids, ordered
+compiles); what FSDP needs on an ``xla`` device comes from
 ``torch_fsdp_ext.xla``. Run it with ``bash tools/xla_check.sh OUT.json``,
 which sets up the venv; see docs/xla.md.
 """
@@ -35,15 +40,28 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("xla_check")
 
-WORLD_SIZE = 2
-MODES = {"grouped": True, "per-param": False}
-# the flags of the parity runs (see main)
+# mode -> (group_collectives, torch_fsdp_ext.xla.register's tuple_collectives)
+MODES = {"grouped": (True, True), "per-param": (False, True), "per-param-1by1": (False, False)}
+# config -> (world size, settings); every config runs in every mode
+CONFIGS: dict[str, tuple[int, dict]] = {
+    "fp32": (2, {}),
+    "bf16-fp32": (2, {"mixed_precision": True}),
+    "reshard-false": (2, {"reshard_after_forward": False}),
+    "grad-accum": (2, {"accumulate": 2}),
+    "clip": (2, {"clip": 1.0}),
+    "w4": (4, {}),
+    "w4-reshard-2": (4, {"reshard_after_forward": 2}),
+}
+# XLA:CPU's code for a dot depends on the graph it lands in, and the modes cut
+# a step into different graphs, so parity is asserted with LLVM's
+# optimizations off, where the code does not depend on the cut (docs/xla.md)
 PARITY_XLA_FLAGS = "--xla_backend_optimization_level=0"
-HLO_OPS = ("concatenate", "copy", "dynamic-update-slice", "all-gather", "reduce-scatter")
+HLO_OPS = ("concatenate", "copy", "dynamic-update-slice", "pad", "all-gather", "reduce-scatter")
 
 
 # what the parent hands each worker
@@ -51,6 +69,7 @@ _WORKER_OPTIONS = (
     "steps",
     "warmup",
     "lr",
+    "world_size",
     "vocab",
     "dim",
     "heads",
@@ -143,33 +162,16 @@ def build_model(vocab: int, dim: int, heads: int, ffn: int, layers: int):
     return Transformer()
 
 
-def batches(step: int, vocab: int, batch: int, seq: int):
+def batches(step: int, vocab: int, batch: int, seq: int, world_size: int):
     """Every rank's (tokens, targets) for ``step``, built on the CPU."""
     import torch
 
     out = []
-    for rank in range(WORLD_SIZE):
+    for rank in range(world_size):
         g = torch.Generator().manual_seed(1000 * step + rank)
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
-
-
-def reference(args: argparse.Namespace) -> dict:
-    """The unsharded model trained on the CPU with the ranks' mean gradient."""
-    import torch
-
-    model = build_model(**_model_args(args))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    for step in range(args.steps):
-        opt.zero_grad()
-        loss = sum(
-            torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            for x, y in batches(step, args.vocab, args.batch, args.seq)
-        )
-        (loss / WORLD_SIZE).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------
@@ -177,7 +179,7 @@ def reference(args: argparse.Namespace) -> dict:
 
 
 class _TestBed:
-    """Two PJRT CPU devices as two rank threads of this process.
+    """PJRT CPU devices as rank threads of this process.
 
     torch.distributed's world is made thread-local (the threaded process group
     machinery of PyTorch's own tests), and every all-gather and reduce-scatter
@@ -187,7 +189,7 @@ class _TestBed:
     differ in shape, so without channel ids the two rendezvous never meet.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int) -> None:
         import torch
         import torch_xla.core.xla_model as xm
         from torch.testing._internal.distributed import multi_threaded_pg
@@ -195,7 +197,12 @@ class _TestBed:
         multi_threaded_pg._install_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         self._local = threading.local()
-        self.barrier = threading.Barrier(WORLD_SIZE)
+        self.barrier = threading.Barrier(world_size)
+        self.init_lock = threading.Lock()
+        # step_sync's turns: each rank's compile count at the start of its
+        # sync, and whether its sync returned
+        self._entered: dict[int, int] = {}
+        self._returned: dict[int, bool] = {}
         all_gather, reduce_scatter = xm.all_gather, xm.reduce_scatter
 
         def all_gather_with_channel(value, *args, **kwargs):
@@ -204,6 +211,9 @@ class _TestBed:
             return all_gather(value, *args, **kwargs)
 
         def reduce_scatter_with_channel(reduce_type, input, *args, **kwargs):
+            if isinstance(input, list):
+                # torch_xla's list form takes no channel id
+                return reduce_scatter(reduce_type, input, *args, **kwargs)
             output = kwargs.pop("output", None)
             kwargs.setdefault("channel_id", self._next_channel())
             result = reduce_scatter(reduce_type, input, *args, **kwargs)
@@ -222,9 +232,40 @@ class _TestBed:
         return self._local.channel
 
     def step_sync(self) -> None:
+        """Sync every rank, in rank order: rank r starts once rank r - 1's
+        graph is compiled (or its sync returned), so that a graph that is the
+        same on every rank is compiled once and the others take it from
+        torch_xla's compile cache. XLA:CPU pairs a collective without a
+        channel id by the id of its compiled module, and torch_xla's list
+        (tuple) collectives take no channel id. Rank r must not wait for rank
+        r - 1's sync to return: it blocks in the collective until rank r joins.
+        """
+        import torch.distributed as dist
         import torch_xla
+        import torch_xla.debug.metrics as met
 
+        def compiles() -> int:
+            compiled = met.metric_data("CompileTime")
+            return (compiled[0] if compiled else 0) + (met.counter_value("CachedCompile") or 0)
+
+        rank = dist.get_rank()
+        self.barrier.wait()
+        if rank > 0:
+            deadline = time.monotonic() + 600
+            while not self._returned.get(rank - 1) and compiles() <= self._entered.get(
+                rank - 1, 1 << 62
+            ):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank - 1}'s sync neither compiled nor returned")
+                time.sleep(0.01)
+            # the compile is counted just before its executable is cached
+            time.sleep(0.05)
+        self._entered[rank] = compiles()
         torch_xla.sync(wait=True)
+        self._returned[rank] = True
+        self.barrier.wait()
+        self._entered.pop(rank)
+        self._returned.pop(rank)
         self._local.channel = 0
 
     def run(self, fn) -> None:
@@ -256,245 +297,381 @@ class _TestBed:
             raise RuntimeError("a rank failed; see above")
 
 
-def _hlo_ops(dump: str) -> Counter:
-    """Op counts over the graphs in a part of an ``XLA_SAVE_TENSORS_FILE`` dump."""
+def _instructions(hlo: str) -> Iterator[tuple[str, str]]:
+    """(op, computation) for each instruction of an HLO module's text."""
+    computation = ""
+    for line in hlo.splitlines():
+        stripped = line.strip()
+        if stripped.endswith("{") and " = " not in stripped:
+            computation = (
+                stripped.split()[1] if stripped.startswith("ENTRY") else stripped.split()[0]
+            )
+            continue
+        if " = " not in stripped or stripped.startswith(("HloModule", "//")):
+            continue
+        rhs = stripped.split(" = ", 1)[1]
+        if rhs.startswith("("):  # a tuple shape: skip to its closing parenthesis
+            depth = 0
+            for i, c in enumerate(rhs):
+                depth += {"(": 1, ")": -1}.get(c, 0)
+                if depth == 0:
+                    rhs = rhs[i + 1 :]
+                    break
+        else:
+            rhs = rhs.split(" ", 1)[1] if " " in rhs else ""
+        match = re.match(r"\s*([a-z][a-z\-]*)\(", rhs)
+        if match:
+            yield match.group(1), computation
+
+
+def _count(hlo: str, entry_only: bool) -> Counter:
+    """HLO op counts, async collectives counted once (``*-start``)."""
     ops: Counter = Counter()
-    for block in dump.split("## BEGIN_GRAPH")[1:]:
-        hlo = block.split("## END_GRAPH")[0]
-        entry = hlo[hlo.index("ENTRY") :] if "ENTRY" in hlo else hlo
-        # other computations (fusions, reducers) are not materializations
-        ops.update(re.findall(r"= \S+ ([a-z][a-z\-]*)\(", entry))
+    for op, computation in _instructions(hlo):
+        if entry_only and not computation.startswith(("ENTRY", "IrToHlo", "SyncTensorsGraph")):
+            continue
+        if op.endswith("-done"):
+            continue
+        ops[op.removesuffix("-start")] += 1
     return ops
 
 
-def worker(args: argparse.Namespace) -> None:
-    bed = _TestBed()
+def _graphs(dump: str) -> list[str]:
+    """The graphs of a part of an ``XLA_SAVE_TENSORS_FILE`` dump."""
+    return [block.split("## END_GRAPH")[0] for block in dump.split("## BEGIN_GRAPH")[1:]]
+
+
+def _entry(hlo: str) -> str:
+    # the entry computation: other computations (reducers) are not ops of the step
+    return hlo[hlo.index("ENTRY") :] if "ENTRY" in hlo else hlo
+
+
+class _Optimized:
+    """The modules XLA compiled (``--xla_dump_to``), by the graph they came from.
+
+    torch_xla names a graph ``IrToHlo.<n>`` in its own dump and the compiled
+    module ``SyncTensorsGraph.<n>``; ``n`` alone is ambiguous, so a module is
+    matched by ``n`` and its op counts before optimization.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self._modules: dict[tuple[str, frozenset], Counter] = {}
+        for before in directory.glob("module_*.before_optimizations.txt"):
+            after = before.with_name(
+                before.name.replace("before_optimizations", "cpu_after_optimizations")
+            )
+            if after.exists():
+                n = before.name.split(".")[2]
+                key = (n, frozenset(_count(_entry(before.read_text()), False).items()))
+                self._modules[key] = _count(after.read_text(), entry_only=False)
+
+    def ops(self, graph: str) -> Counter | None:
+        n = re.search(r"HloModule IrToHlo\.(\d+)", graph)
+        key = (n.group(1) if n else "", frozenset(_count(_entry(graph), False).items()))
+        return self._modules.get(key)
+
+
+def _train_config(bed, args, config, group_collectives, rank, mesh, counting, record) -> dict:
+    """Train ``config`` on this rank thread; returns its final shards and
+    initial parameters (rank 0 also records per-step counts)."""
     import torch
-    import torch.distributed as dist
     import torch_xla
-    import torch_xla.debug.metrics as met
     import torch_xla.runtime as xr
 
     import torch_fsdp_ext
+
+    world_size, settings = CONFIGS[config]
+    device = torch_xla.device()
+    with bed.init_lock:  # the CPU RNG is shared by the rank threads
+        model = build_model(**_model_args(args))
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.to(device)
+    kwargs: dict = {"mesh": mesh, "group_collectives": group_collectives}
+    if settings.get("mixed_precision"):
+        kwargs["mp_policy"] = torch_fsdp_ext.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if "reshard_after_forward" in settings:
+        kwargs["reshard_after_forward"] = settings["reshard_after_forward"]
+    for block in model.layers:
+        torch_fsdp_ext.fully_shard(block, **kwargs)
+    torch_fsdp_ext.fully_shard(model, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    micro_batches = settings.get("accumulate", 1)
+    # torch_xla writes each device's graphs to the dump file + ".<ordinal>"
+    dump = os.environ.get("XLA_SAVE_TENSORS_FILE")
+    rank_dump = Path(f"{dump}.{xr.global_ordinal()}") if dump else None
+    bed.step_sync()
+    for step in range(args.steps):
+        offset = rank_dump.stat().st_size if rank_dump and rank_dump.exists() else 0
+        bed.barrier.wait()
+        if counting and rank == 0:
+            before, start = _counters(), time.perf_counter()
+        bed.barrier.wait()
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            x, y = batches(
+                step * micro_batches + micro, args.vocab, args.batch, args.seq, world_size
+            )[rank]
+            logits = model(x.to(device))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
+            (loss / micro_batches).backward()
+        if "clip" in settings:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings["clip"])
+        optimizer.step()
+        optimizer.zero_grad()
+        bed.step_sync()
+        bed.barrier.wait()
+        if counting and rank == 0:
+            elapsed, after = time.perf_counter() - start, _counters()
+            with rank_dump.open() as f:
+                f.seek(offset)
+                graphs = _graphs(f.read())
+            record.append(
+                {
+                    "graphs": graphs,
+                    # the counters are process-wide: every rank thread
+                    "host_round_trips": sum(after[0][k] - before[0].get(k, 0) for k in after[0])
+                    / world_size,
+                    "graphs_compiled": (after[1] - before[1]) / world_size,
+                    "graphs_executed": (after[2] - before[2]) / world_size,
+                    "step_ms": elapsed * 1e3,
+                }
+            )
+        bed.barrier.wait()
+    # each rank's shards, joined by the parent: DTensor.full_tensor() would
+    # unpad uneven shards with narrow(), which torch_xla's functionalization
+    # rejects under funcol
+    shards = {k: v.to_local().cpu() for k, v in model.state_dict().items()}
+    bed.step_sync()
+    return {"shards": shards, "initial": initial}
+
+
+def _counters() -> tuple[dict[str, int], int, int]:
+    """Host fallbacks by op, graphs compiled, graphs executed (process-wide)."""
+    import torch_xla.debug.metrics as met
+
+    compiled = met.metric_data("CompileTime")
+    executed = met.metric_data("ExecuteTime")
+    fallbacks = {name: met.counter_value(name) or 0 for name in met.executed_fallback_ops()}
+    return fallbacks, compiled[0] if compiled else 0, executed[0] if executed else 0
+
+
+def worker(args: argparse.Namespace) -> None:
+    bed = _TestBed(args.world_size)
+    import torch
+    import torch.distributed as dist
+
     from torch_fsdp_ext import xla as fsdp_xla
 
-    fsdp_xla.register()
-    group_collectives = MODES[args.worker]
-    dump = Path(os.environ["XLA_SAVE_TENSORS_FILE"])
-    init_lock = threading.Lock()
-    per_step: list[dict] = []
-    results: dict[int, dict] = {}
-    shards: dict[int, dict] = {}
-
-    def counters() -> tuple[dict[str, int], int, int]:
-        # process-wide: both rank threads
-        compiled = met.metric_data("CompileTime")
-        executed = met.metric_data("ExecuteTime")
-        fallbacks = {name: met.counter_value(name) or 0 for name in met.executed_fallback_ops()}
-        return fallbacks, compiled[0] if compiled else 0, executed[0] if executed else 0
+    group_collectives, tuple_collectives = MODES[args.worker]
+    fsdp_xla.register(tuple_collectives=tuple_collectives)
+    out: dict[str, dict] = {config: {} for config in args.configs}
+    record: list[dict] = []
 
     def rank_fn(index: int) -> None:
         dist.init_process_group("xla", init_method="xla://")
         rank = dist.get_rank()
-        device = torch_xla.device()
-        with init_lock:  # the CPU RNG is shared by the rank threads
-            model = build_model(**_model_args(args))
-        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.to(device)
         mesh = fsdp_xla.mesh_from_group()
-        for block in model.layers:
-            torch_fsdp_ext.fully_shard(block, mesh=mesh, group_collectives=group_collectives)
-        torch_fsdp_ext.fully_shard(model, mesh=mesh, group_collectives=group_collectives)
-        params = list(model.parameters())
-        # torch_xla writes each device's graphs to the dump file + ".<ordinal>"
-        rank_dump = dump.with_name(f"{dump.name}.{xr.global_ordinal()}")
-        bed.step_sync()
-        for step in range(args.steps):
-            offset = rank_dump.stat().st_size if rank_dump.exists() else 0
-            bed.barrier.wait()
+        for config in args.configs:
+            counting = args.count and config == args.configs[0]
+            out[config][rank] = _train_config(
+                bed, args, config, group_collectives, rank, mesh, counting, record
+            )
             if rank == 0:
-                before, start = counters(), time.perf_counter()
-            bed.barrier.wait()
-            x, y = batches(step, args.vocab, args.batch, args.seq)[rank]
-            logits = model(x.to(device))
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
-            loss.backward()
-            # SGD on the local shards: torch_xla 2.9 drops an in-place op on a
-            # DTensor whose local tensor is a view (FSDP's sharded parameters
-            # are views of their padded shard), so torch.optim's step would
-            # not reach the next all-gather (docs/xla.md)
-            with torch.no_grad():
-                for p in params:
-                    p.to_local().add_(p.grad.to_local(), alpha=-args.lr)
-                    p.grad = None
-            bed.step_sync()
-            bed.barrier.wait()
-            if rank == 0:
-                elapsed, after = time.perf_counter() - start, counters()
-                with rank_dump.open() as f:
-                    f.seek(offset)
-                    ops = _hlo_ops(f.read())
-                per_step.append(
-                    {
-                        "ops": ops,
-                        # the counters are process-wide: both rank threads
-                        "host_round_trips": sum(after[0][k] - before[0].get(k, 0) for k in after[0])
-                        / WORLD_SIZE,
-                        "graphs_compiled": (after[1] - before[1]) / WORLD_SIZE,
-                        "graphs_executed": (after[2] - before[2]) / WORLD_SIZE,
-                        "step_ms": elapsed * 1e3,
-                    }
-                )
-            bed.barrier.wait()
-        # each rank's shards, joined on the CPU below: DTensor.full_tensor()
-        # would unpad the all-gathered uneven shards with narrow(), which
-        # torch_xla's functionalization rejects under funcol
-        bed.step_sync()
-        shards[rank] = {k: v.to_local().cpu() for k, v in model.state_dict().items()}
-        bed.barrier.wait()
-        full = {k: torch.cat([shards[r][k] for r in range(WORLD_SIZE)]) for k in shards[rank]}
-        moved = [k for k in full if not torch.equal(full[k], initial[k])]
-        results[rank] = {"params": full, "moved": moved}
-        log.info(
-            "rank %d (%s): %d of %d parameters moved",
-            rank,
-            xr.global_ordinal(),
-            len(moved),
-            len(full),
-        )
+                log.info("%s, %s: trained %d steps", args.worker, config, args.steps)
 
     bed.run(rank_fn)
-    steady = per_step[args.warmup :]
-    if not steady:
-        raise SystemExit(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+    result: dict = {"configs": {}}
+    for config, ranks in out.items():
+        full = {
+            k: torch.cat([ranks[r]["shards"][k] for r in range(args.world_size)])
+            for k in ranks[0]["shards"]
+        }
+        result["configs"][config] = {
+            "params": full,
+            "moved": sorted(k for k in full if not torch.equal(full[k], ranks[0]["initial"][k])),
+        }
+    if args.count:
+        steady = record[args.warmup :]
+        if not steady:
+            raise SystemExit(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+        optimized = _Optimized(Path(args.dump_dir)) if args.dump_dir else None
 
-    # rank 0's steady steps; the median, should a step differ
-    report = {
-        op.replace("-", "_"): statistics.median(s["ops"][op] for s in steady) for op in HLO_OPS
-    }
-    for key in ("host_round_trips", "graphs_compiled", "graphs_executed"):
-        report[key] = statistics.median(s[key] for s in steady)
-    report["step_ms"] = round(statistics.median(s["step_ms"] for s in steady), 1)
-    report["parameters_moved"] = len(results[0]["moved"])
-    report["parameters"] = len(results[0]["params"])
-    torch.save(
-        {
-            "report": report,
-            "params": results[0]["params"],
-            "ranks_agree": all(
-                torch.equal(results[0]["params"][k], results[1]["params"][k])
-                for k in results[0]["params"]
-            ),
-        },
-        args.result,
-    )
+        def per_step(graph_ops) -> dict:
+            return {
+                op.replace("-", "_"): statistics.median(
+                    sum(ops[op] for ops in map(graph_ops, s["graphs"])) for s in steady
+                )
+                for op in HLO_OPS
+            }
+
+        report = {"before_optimizations": per_step(lambda g: _count(_entry(g), False))}
+        if optimized is not None:
+            unmatched = [g for s in steady for g in s["graphs"] if optimized.ops(g) is None]
+            if unmatched:
+                raise RuntimeError(f"{len(unmatched)} executed graphs have no compiled module")
+            report["after_optimizations"] = per_step(optimized.ops)
+        for key in ("host_round_trips", "graphs_compiled", "graphs_executed"):
+            report[key] = statistics.median(s[key] for s in steady)
+        report["step_ms"] = round(statistics.median(s["step_ms"] for s in steady), 1)
+        result["counts"] = report
+    torch.save(result, args.result)
 
 
 # ---------------------------------------------------------------------------
-# The parent: one worker process per mode, then the comparison
+# The parent: one worker process per mode and world size, then the comparison
+
+
+def _run_worker(args, mode: str, world_size: int, configs: list[str], tmp: str, *, count: bool):
+    import torch
+
+    name = f"{mode}-w{world_size}{'-count' if count else ''}"
+    result = Path(tmp, f"{name}.pt")
+    env = dict(
+        os.environ,
+        PJRT_DEVICE="CPU",
+        CPU_NUM_DEVICES=str(world_size),
+        XLA_USE_DUMMY_STORE="1",
+        TORCH_DIST_INIT_BARRIER="0",
+    )
+    cmd = [sys.executable, __file__, "--worker", mode, "--result", str(result)]
+    cmd += ["--configs", *configs]
+    if count:
+        dump_dir = Path(tmp, f"{name}.modules")
+        env.update(
+            XLA_SAVE_TENSORS_FILE=str(Path(tmp, f"{name}.hlo")),
+            XLA_SAVE_TENSORS_FMT="hlo",
+            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir}".strip(),
+        )
+        cmd += ["--count", "--dump-dir", str(dump_dir)]
+    else:
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {PARITY_XLA_FLAGS}".strip()
+    for option in _WORKER_OPTIONS:
+        cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    cmd[cmd.index("--world-size") + 1] = str(world_size)
+    log.info("%s: %s", name, ", ".join(configs))
+    subprocess.run(cmd, env=env, check=True)
+    return torch.load(result)
+
+
+def _first_difference(a, b) -> str:
+    for k in a:
+        if not torch_equal(a[k], b[k]):
+            diff = (a[k].float() - b[k].float()).abs()
+            return f"{k}: {int((diff > 0).sum())} elements differ, max {diff.max().item():.3e}"
+    return ""
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def check(args: argparse.Namespace) -> int:
+    out: dict = {"counts": {}, "configs": {}, "parity_xla_flags": PARITY_XLA_FLAGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:
+            out["counts"][mode] = _run_worker(args, mode, 2, ["fp32"], tmp, count=True)["counts"]
+        runs = {
+            mode: {
+                world_size: _run_worker(
+                    args,
+                    mode,
+                    world_size,
+                    [c for c in args.configs if CONFIGS[c][0] == world_size],
+                    tmp,
+                    count=False,
+                )["configs"]
+                for world_size in sorted({CONFIGS[c][0] for c in args.configs})
+            }
+            for mode in MODES
+        }
+    for config in args.configs:
+        world_size = CONFIGS[config][0]
+        results = {mode: runs[mode][world_size][config] for mode in MODES}
+        reference = results["grouped"]["params"]
+        entry = {
+            "world_size": world_size,
+            "parameters": len(reference),
+            "moved": {mode: len(r["moved"]) for mode, r in results.items()},
+            "differences": {
+                mode: _first_difference(reference, r["params"])
+                for mode, r in results.items()
+                if mode != "grouped"
+            },
+        }
+        entry["parity"] = not any(entry["differences"].values()) and all(
+            moved == entry["parameters"] for moved in entry["moved"].values()
+        )
+        out["configs"][config] = entry
+        log.info("%s: parity %s, moved %s", config, entry["parity"], entry["moved"])
+    out["parity"] = all(c["parity"] for c in out["configs"].values())
+    text = json.dumps(out, indent=2, sort_keys=True)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    failures = [f"{c}: parity" for c, e in out["configs"].items() if not e["parity"]]
+    grouped, per_param = out["counts"]["grouped"], out["counts"]["per-param"]
+    for stage in ("before_optimizations", "after_optimizations"):
+        for op in ("all_gather", "reduce_scatter"):
+            if per_param[stage][op] > grouped[stage][op]:
+                failures.append(
+                    f"per-param {stage} {op} {per_param[stage][op]} > {grouped[stage][op]}"
+                )
+    if per_param["before_optimizations"]["concatenate"] >= max(
+        grouped["before_optimizations"]["concatenate"], 1
+    ):
+        failures.append("per-param concatenates")
+    for key in ("host_round_trips", "graphs_executed"):
+        if per_param[key] > grouped[key]:
+            failures.append(f"per-param {key} {per_param[key]} > grouped {grouped[key]}")
+    for failure in failures:
+        log.error("check failed: %s", failure)
+    return 1 if failures and args.check else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Example: python tools/xla_check.py --out xla.json",
+        epilog="Example: python tools/xla_check.py --check --out xla.json",
     )
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 unless parity holds and per-param needs no more concatenates, "
-        "host round trips or graphs per step than grouped",
+        help="exit 1 unless every config has parity with every parameter moved, and "
+        "per-param needs no more all-gathers, reduce-scatters, host round trips or graphs "
+        "per step than grouped, and fewer concatenates",
     )
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the counts")
-    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument(
-        "--vocab", type=int, default=101, help="odd: the embedding and output need padding"
+        "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="default: all"
+    )
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the counts")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--vocab", type=int, default=104, help="divisible by 4 (see docs/xla.md, the test bed)"
     )
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=75, help="odd: w1 and w3 need padding")
+    parser.add_argument("--ffn", type=int, default=76)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=8)
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dump-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.worker:
         worker(args)
         return 0
-
-    import torch
-
-    def run(mode: str, tmp: str, xla_flags: str = "") -> dict:
-        result = Path(tmp, f"{mode}{xla_flags}.pt")
-        env = dict(
-            os.environ,
-            PJRT_DEVICE="CPU",
-            CPU_NUM_DEVICES=str(WORLD_SIZE),
-            XLA_USE_DUMMY_STORE="1",
-            TORCH_DIST_INIT_BARRIER="0",
-            XLA_SAVE_TENSORS_FILE=str(Path(tmp, f"{mode}{xla_flags}.hlo")),
-            XLA_SAVE_TENSORS_FMT="hlo",
-            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip(),
-        )
-        cmd = [sys.executable, __file__, "--worker", mode, "--result", str(result)]
-        for name in _WORKER_OPTIONS:
-            cmd += [f"--{name}", str(getattr(args, name))]
-        subprocess.run(cmd, env=env, check=True)
-        return torch.load(result)
-
-    def equal(a: dict, b: dict) -> bool:
-        return all(torch.equal(a[k], b[k]) for k in a)
-
-    out: dict = {}
-    params = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            log.info("%s: %d steps, 2 ranks on PJRT CPU", mode, args.steps)
-            data = run(mode, tmp)
-            out[mode] = {**data["report"], "ranks_agree": data["ranks_agree"]}
-            params[mode] = data["params"]
-        # XLA:CPU's LLVM code generation depends on the graph a dot lands
-        # in, and the modes cut the step into different graphs, so at the
-        # default optimization level they differ in the last bit of a few
-        # matmul weights. With LLVM's optimizations off the code does not
-        # depend on the cut: that is where the modes must agree bit for bit.
-        unoptimized = {mode: run(mode, tmp, PARITY_XLA_FLAGS)["params"] for mode in MODES}
-    ref = reference(args)
-    for mode in MODES:
-        dist_ref = max((params[mode][k] - ref[k]).abs().max().item() for k in ref)
-        out[mode]["max_abs_diff_to_cpu_reference"] = dist_ref
-        log.info("%s: max |param - unsharded CPU reference| = %.3e", mode, dist_ref)
-    moved = all(out[m]["parameters_moved"] == out[m]["parameters"] for m in MODES)
-    out["parity"] = moved and equal(unoptimized["grouped"], unoptimized["per-param"])
-    out["parity_xla_flags"] = PARITY_XLA_FLAGS
-    out["equal_at_default_optimization"] = equal(params["grouped"], params["per-param"])
-    out["max_abs_diff_at_default_optimization"] = max(
-        (params["grouped"][k] - params["per-param"][k]).abs().max().item() for k in ref
-    )
-    text = json.dumps(out, indent=2, sort_keys=True)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    failures = [] if out["parity"] else ["parity"]
-    if args.check:
-        grouped, per_param = out["grouped"], out["per-param"]
-        failures += [
-            f"per-param {key} {per_param[key]} vs grouped {grouped[key]}"
-            for key, worse in (
-                ("concatenate", per_param["concatenate"] >= grouped["concatenate"]),
-                ("host_round_trips", per_param["host_round_trips"] > grouped["host_round_trips"]),
-                ("graphs_executed", per_param["graphs_executed"] > grouped["graphs_executed"]),
-            )
-            if worse
-        ]
-    for failure in failures:
-        log.error("check failed: %s", failure)
-    return 1 if failures else 0
+    return check(args)
 
 
 if __name__ == "__main__":

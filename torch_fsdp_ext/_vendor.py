@@ -204,6 +204,17 @@ REWRITES: tuple[Rewrite, ...] = (
         "silently not offload; its MixedPrecisionPolicy becomes ours too",
         ("2.9.0",),
     ),
+    Rewrite(
+        "_fsdp_init.py",
+        "    device_handle = _get_device_handle(mesh.device_type)\n",
+        '    if mesh.device_type == "xla":\n'
+        f"        from {PACKAGE}.xla import _ensure_registered\n\n"
+        "        _ensure_registered()\n"
+        "    device_handle = _get_device_handle(mesh.device_type)\n",
+        1,
+        "torch has no device module for xla; the package's xla registration "
+        "provides it, so it must run before FSDP asks for the device handle",
+    ),
 )
 
 # Project tests that travel upstream import the package; in the series they

@@ -6,8 +6,14 @@ type ``"xla"``, per parameter by default. It registers:
 
 - an FSDP backend for ``"xla"`` (:func:`torch_fsdp_ext.register_fsdp_backend`):
   per-parameter collectives by default, which need no copy-in or copy-out
-  buffer and so no host round trip (docs/xla.md), and a reduce without
+  buffer and so no host round trip (docs/xla.md), issued together as one
+  tuple-shaped all-gather or reduce-scatter per parameter group and dtype
+  (:class:`XlaAllGather`, :class:`XlaReduceScatter`), and a reduce without
   ``AVG`` (torch_xla's process group has none), so FSDP sums and divides;
+- in-place ops on ``"xla"`` DTensors (``torch.optim``'s steps on FSDP's
+  sharded parameters) that reach the tensors their local tensor views: inside
+  ``__torch_dispatch__`` torch excludes the functionalization key, so
+  torch_xla's functional views miss the update of their base (docs/xla.md);
 - a device module ``torch.xla`` (``torch._register_device_module``): FSDP asks
   the device for streams and events to order its collectives; a lazy
   tensor's graph already orders them, so these are no-ops;
@@ -18,14 +24,16 @@ type ``"xla"``, per parameter by default. It registers:
   parameter by resizing its storage to 0, and an XLA tensor's storage cannot
   be resized; XLA frees device memory when the graph no longer needs it.
 
-The mesh comes from :func:`mesh_from_group`, since ``init_device_mesh`` makes
-no process groups for ``"xla"``. docs/xla.md lists which of these are upstream
-bugs, each with a one-line repro.
+The package calls :func:`register` itself when ``fully_shard`` first meets an
+``"xla"`` mesh. The mesh comes from :func:`mesh_from_group`, since
+``init_device_mesh`` makes no process groups for ``"xla"``. docs/xla.md lists
+which of these are upstream bugs, each with a one-line repro.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import types
 from collections.abc import Iterator
@@ -33,15 +41,103 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 from ._fully_shard._fsdp_backend import FSDPBackend, register_fsdp_backend
+from ._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-__all__ = ["mesh_from_group", "register", "XLA_BACKEND"]
+__all__ = ["mesh_from_group", "register", "XlaAllGather", "XlaReduceScatter", "XLA_BACKEND"]
+
+
+def _buckets(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], cap_bytes: int | None
+) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Consecutive (outputs, inputs) runs whose inputs hold at most ``cap_bytes``
+    (one run if ``None``; a larger input gets a run of its own)."""
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
+    start, size = 0, 0
+    for i, t in enumerate(inputs):
+        nbytes = t.numel() * t.element_size()
+        if cap_bytes is not None and i > start and size + nbytes > cap_bytes:
+            yield outputs[start:i], inputs[start:i]
+            start, size = i, 0
+        size += nbytes
+    if inputs:
+        yield outputs[start:], inputs[start:]
+
+
+def _copy_results(outputs: list[torch.Tensor], results: list[torch.Tensor]) -> None:
+    # Not xm's ``output=`` forms: they set the outputs' XLA data directly,
+    # past functionalization, so the tensors an output views (FSDP's outputs
+    # are views: the unsharded parameters, the reduce-scatter buffer's
+    # chunks) would never see it. A lazy ``copy_`` only rebinds the graph.
+    for output, result in zip(outputs, results, strict=True):
+        output.copy_(result.view(output.shape))
+
+
+def _replica_groups(group: dist.ProcessGroup) -> list[list[int]]:
+    # torch_xla's ProcessGroupXla keeps its replica groups in ``_mesh`` ([] for
+    # the world), which its own collectives pass to xm as ``groups``
+    return group._mesh  # type: ignore[attr-defined]
+
+
+class XlaAllGather(DefaultAllGather):
+    """All-gather comm for ``"xla"``: :meth:`foreach` gathers a parameter
+    group's parameters with torch_xla's list all-gather, one tuple-shaped
+    ``all-gather`` HLO per dtype and at most ``bucket_cap_bytes`` of inputs,
+    with no concatenated copy-in. torch_xla chains every collective to the one
+    before it through a token, so XLA's combiners cannot merge per-parameter
+    all-gathers later; this issues them together instead."""
+
+    def __init__(self, bucket_cap_bytes: int | None = None) -> None:
+        self.bucket_cap_bytes = bucket_cap_bytes
+
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        import torch_xla.core.xla_model as xm
+
+        for outputs, inputs in _buckets(output_tensors, input_tensors, self.bucket_cap_bytes):
+            # layout pinning is not supported for lists (torch_xla raises)
+            results = xm.all_gather(inputs, dim=0, groups=_replica_groups(group), pin_layout=False)
+            _copy_results(outputs, results)
+        return None
+
+
+class XlaReduceScatter(DefaultReduceScatter):
+    """Reduce-scatter comm for ``"xla"``: :meth:`foreach` reduce-scatters a
+    parameter group's gradients with torch_xla's list reduce-scatter, one
+    tuple-shaped ``reduce-scatter`` HLO per dtype and at most
+    ``bucket_cap_bytes`` of inputs, straight from the gradients."""
+
+    def __init__(self, bucket_cap_bytes: int | None = None) -> None:
+        self.bucket_cap_bytes = bucket_cap_bytes
+
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        import torch_xla.core.xla_model as xm
+
+        # ProcessGroupXla's own mapping: it raises for ops XLA has not (AVG)
+        reduce_type = group._get_reduce_type(op)  # type: ignore[attr-defined]
+        groups = _replica_groups(group)
+        for outputs, inputs in _buckets(output_tensors, input_tensors, self.bucket_cap_bytes):
+            results = xm.reduce_scatter(
+                reduce_type,
+                [t.view(-1) for t in inputs],
+                scale=1.0,
+                scatter_dim=0,
+                shard_count=len(groups[0]) if groups else group.size(),
+                groups=groups,
+                pin_layout=False,
+            )
+            _copy_results(outputs, results)
+        return None
+
 
 #: What :func:`register` registers for ``"xla"``
 XLA_BACKEND = FSDPBackend(
     group_collectives=False,
+    all_gather_comm=XlaAllGather,
+    reduce_scatter_comm=XlaReduceScatter,
     supports_avg=False,
     supports_premul_sum=False,
     supports_coalescing=False,
@@ -169,14 +265,70 @@ def mesh_from_group(group: dist.ProcessGroup | None = None) -> DeviceMesh:
     return mesh
 
 
+def _commit_xla_inplace_updates(dispatch):
+    """Wraps DTensor's op dispatch so that an in-place op on an ``"xla"``
+    DTensor commits its local tensor's new value to the tensors it views.
+
+    torch runs ``__torch_dispatch__`` with the functionalization key excluded,
+    so an in-place op on the local tensor of a DTensor skips the
+    functionalization kernel that records the update on the shared storage:
+    the local tensor changes, its base and every other view of it do not.
+    FSDP's sharded parameters are views of their padded shards, which the
+    all-gathers read, so ``torch.optim``'s steps were lost (docs/xla.md).
+    """
+
+    def dispatch_and_commit(op_call, args, kwargs):
+        result = dispatch(op_call, args, kwargs)
+        schema = op_call._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if (
+                        isinstance(t, DTensor)
+                        and t.device.type == "xla"
+                        and torch._is_functional_tensor(t._local_tensor)
+                    ):
+                        torch._functionalize_commit_update(t._local_tensor)
+        return result
+
+    dispatch_and_commit.__wrapped__ = dispatch  # type: ignore[attr-defined]
+    return dispatch_and_commit
+
+
 _registered = False
 
 
-def register() -> None:
-    """Make ``fully_shard`` run on ``"xla"`` devices (idempotent); see the
-    module docstring. Raises ``ImportError`` without torch_xla."""
+def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = None) -> None:
+    """Make ``fully_shard`` run on ``"xla"`` devices; see the module
+    docstring. ``fully_shard`` calls it on its first ``"xla"`` mesh; call it
+    yourself to choose the collectives, before ``fully_shard``:
+
+    - ``tuple_collectives=True`` (default): a parameter group's per-parameter
+      collectives go out as one tuple-shaped collective per dtype, each of at
+      most ``bucket_cap_bytes`` of inputs (``None``: no cap);
+    - ``False``: one collective per parameter (the default comms).
+
+    A later call with other arguments re-registers the backend, for
+    ``fully_shard`` calls made afterwards. Raises ``ImportError`` without
+    torch_xla.
+    """
     global _registered
+    backend = XLA_BACKEND
+    if tuple_collectives and bucket_cap_bytes is not None:
+        backend = dataclasses.replace(
+            XLA_BACKEND,
+            all_gather_comm=lambda: XlaAllGather(bucket_cap_bytes),
+            reduce_scatter_comm=lambda: XlaReduceScatter(bucket_cap_bytes),
+        )
+    elif bucket_cap_bytes is not None:
+        raise ValueError("bucket_cap_bytes applies to tuple_collectives=True only")
+    elif not tuple_collectives:
+        backend = dataclasses.replace(XLA_BACKEND, all_gather_comm=None, reduce_scatter_comm=None)
     if _registered:
+        register_fsdp_backend("xla", backend, override=True)
         return
     try:
         import torch_xla  # noqa: F401
@@ -201,8 +353,19 @@ def register() -> None:
             module.alloc_storage = _alloc_storage
         if hasattr(module, "free_storage"):
             module.free_storage = _free_storage
-    register_fsdp_backend("xla", XLA_BACKEND, override=True)
+    dispatcher = DTensor._op_dispatcher
+    if not hasattr(dispatcher.dispatch, "__wrapped__"):
+        dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)
+    register_fsdp_backend("xla", backend, override=True)
     _registered = True
+
+
+def _ensure_registered() -> None:
+    # The generated copy calls this before FSDP asks an "xla" mesh's device
+    # for its handle (the device module above), keeping an earlier explicit
+    # register(...)'s choice
+    if not _registered:
+        register()
 
 
 def _register_if_loaded() -> None:
@@ -211,4 +374,4 @@ def _register_if_loaded() -> None:
     # start its runtime in every process, so register only where the script
     # already imported it
     if "torch_xla" in sys.modules:
-        register()
+        _ensure_registered()
