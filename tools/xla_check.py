@@ -417,7 +417,10 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
             (loss / micro_batches).backward()
         if "clip" in settings:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings["clip"])
+            # not torch.nn.utils.clip_grad_norm_: importing torch_xla replaces
+            # it with a version that calls Tensor.norm, which DTensor has no
+            # sharding rule for (docs/xla.md)
+            torch_fsdp_ext.clip_grad_norm_(model.parameters(), settings["clip"])
         optimizer.step()
         optimizer.zero_grad()
         bed.step_sync()
@@ -517,6 +520,86 @@ def worker(args: argparse.Namespace) -> None:
         report["step_ms"] = round(statistics.median(s["step_ms"] for s in steady), 1)
         result["counts"] = report
     torch.save(result, args.result)
+
+
+def bench(args: argparse.Namespace) -> None:
+    """The worker of ``--bench``: one model per mode from the same seed,
+    trained in rounds that alternate the modes, ``--bench-steps`` steps each
+    per round, all in this process; prints and saves each mode's step times."""
+    bed = _TestBed(args.world_size)
+    import torch
+    import torch.distributed as dist
+    import torch_xla
+
+    import torch_fsdp_ext
+    from torch_fsdp_ext import xla as fsdp_xla
+    from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    fsdp_xla.register()
+    comms = {
+        "grouped": None,
+        "per-param": (fsdp_xla.XlaAllGather, fsdp_xla.XlaReduceScatter),
+        "per-param-1by1": (DefaultAllGather, DefaultReduceScatter),
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+
+    def rank_fn(index: int) -> None:
+        dist.init_process_group("xla", init_method="xla://")
+        rank = dist.get_rank()
+        device = torch_xla.device()
+        mesh = fsdp_xla.mesh_from_group()
+        models, optimizers = {}, {}
+        for mode, (group_collectives, _) in MODES.items():
+            with bed.init_lock:
+                model = build_model(**_model_args(args)).to(device)
+            for module in (*model.layers, model):
+                torch_fsdp_ext.fully_shard(module, mesh=mesh, group_collectives=group_collectives)
+                if comms[mode] is not None:
+                    module.set_custom_all_gather(comms[mode][0]())
+                    module.set_custom_reduce_scatter(comms[mode][1]())
+            models[mode] = model
+            optimizers[mode] = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        step = 0
+        for round_ in range(args.warmup + args.steps):
+            for mode, model in models.items():
+                for _ in range(args.bench_steps):
+                    bed.step_sync()
+                    start = time.perf_counter()
+                    x, y = batches(step, args.vocab, args.batch, args.seq, args.world_size)[rank]
+                    logits = model(x.to(device))
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.flatten(0, 1), y.to(device).flatten()
+                    )
+                    loss.backward()
+                    optimizers[mode].step()
+                    optimizers[mode].zero_grad()
+                    bed.step_sync()
+                    if rank == 0 and round_ >= args.warmup:
+                        times[mode].append((time.perf_counter() - start) * 1e3)
+                    step += 1
+            if rank == 0:
+                log.info("round %d of %d", round_ + 1, args.warmup + args.steps)
+
+    bed.run(rank_fn)
+    report = {
+        mode: {
+            "steps": len(t),
+            "min_ms": round(min(t), 1),
+            "median_ms": round(statistics.median(t), 1),
+            "max_ms": round(max(t), 1),
+        }
+        for mode, t in times.items()
+    }
+    grouped = report["grouped"]["median_ms"]
+    for mode in report:
+        report[mode]["median_vs_grouped"] = round(report[mode]["median_ms"] / grouped, 3)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
 
 
 # ---------------------------------------------------------------------------
@@ -649,6 +732,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="default: all"
     )
+    parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="time the modes instead, alternating them in one process (use a larger "
+        "model: see docs/xla.md for the command); --steps rounds after --warmup rounds",
+    )
+    parser.add_argument(
+        "--bench-steps", type=int, default=4, help="--bench: steps of each mode per round"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the counts")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -670,6 +762,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.worker:
         worker(args)
+        return 0
+    if args.bench:
+        os.environ.update(
+            PJRT_DEVICE="CPU",
+            CPU_NUM_DEVICES=str(args.world_size),
+            XLA_USE_DUMMY_STORE="1",
+            TORCH_DIST_INIT_BARRIER="0",
+        )
+        bench(args)
         return 0
     return check(args)
 

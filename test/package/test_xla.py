@@ -5,6 +5,7 @@ The XLA lane itself (grouped vs per-param on PJRT CPU) is
 """
 
 import sys
+import types
 from unittest import mock
 
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_ext import get_fsdp_backend, xla
+from torch_fsdp_ext._fully_shard import _fsdp_init
 
 
 class TestFullyShardXLAKernels(TestCase):
@@ -45,7 +47,57 @@ class TestFullyShardXLAKernels(TestCase):
         self.assertEqual(torch.cat(outs), src, atol=0, rtol=0)
 
 
+class TestFullyShardXLATupleCollectives(TestCase):
+    @settings(max_examples=100, deadline=None)
+    @given(
+        numels=st.lists(st.integers(0, 64), max_size=8),
+        cap=st.one_of(st.none(), st.integers(1, 256)),
+    )
+    def test_buckets_keep_order_and_cap(self, numels, cap):
+        """Tests that the tuple collectives' buckets are consecutive runs that
+        keep every (output, input) pair in order, hold at most ``cap`` bytes
+        of inputs unless a run is one input, and are one run without a cap."""
+        inputs = [torch.empty(n) for n in numels]
+        outputs = [torch.empty(2 * n) for n in numels]
+        runs = list(xla._buckets(outputs, inputs, cap))
+        self.assertEqual([id(t) for _, ins in runs for t in ins], [id(t) for t in inputs])
+        self.assertEqual([id(t) for outs, _ in runs for t in outs], [id(t) for t in outputs])
+        for outs, ins in runs:
+            self.assertEqual(len(outs), len(ins))
+            if cap is not None and len(ins) > 1:
+                self.assertLessEqual(sum(4 * t.numel() for t in ins), cap)
+        if cap is None:
+            self.assertEqual(len(runs), 1 if numels else 0)
+
+    def test_buckets_need_one_output_per_input(self):
+        """Tests that pairs that do not match up raise instead of dropping one."""
+        with self.assertRaisesRegex(ValueError, "2 outputs for 1 inputs"):
+            list(xla._buckets([torch.empty(2), torch.empty(2)], [torch.empty(1)], None))
+
+    def test_backend_comms_are_the_tuple_comms(self):
+        """Tests that the 'xla' backend's default comms are the tuple
+        collectives, still taking FSDP's own tensors (no ``allocate``)."""
+        self.assertIs(xla.XLA_BACKEND.all_gather_comm, xla.XlaAllGather)
+        self.assertIs(xla.XLA_BACKEND.reduce_scatter_comm, xla.XlaReduceScatter)
+        self.assertTrue(xla.XlaAllGather.accepts_parameter_output)
+        self.assertTrue(xla.XlaReduceScatter.accepts_gradient_input)
+
+    def test_bucket_cap_needs_tuple_collectives(self):
+        """Tests that a bucket cap for one-by-one collectives raises."""
+        with self.assertRaisesRegex(ValueError, "tuple_collectives=True only"):
+            xla.register(tuple_collectives=False, bucket_cap_bytes=1 << 20)
+
+
 class TestFullyShardXLARegistration(TestCase):
+    def test_xla_mesh_registers_before_the_device_handle(self):
+        """Tests that FSDP registers the package's xla support itself when it
+        first meets an 'xla' mesh, before asking for the device handle: here,
+        without torch_xla, that is the one ImportError naming the fix."""
+        mesh = types.SimpleNamespace(device_type="xla")
+        with mock.patch.dict(sys.modules, {"torch_xla": None}):
+            with self.assertRaisesRegex(ImportError, "Fix: pip install torch-xla=="):
+                _fsdp_init._get_device_from_mesh(mesh)
+
     def test_register_without_torch_xla_names_the_fix(self):
         """Tests that register() without torch_xla raises one ImportError that
         names the pip command, and registers nothing."""
