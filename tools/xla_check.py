@@ -7,7 +7,7 @@ count what each mode compiles and executes per step.
 The ranks run as threads of one process (PJRT CPU's only multi-device form in
 torch_xla 2.9), one worker process per mode and world size. Every
 configuration (``CONFIGS``: fp32, bf16 parameters with fp32 reduction,
-``reshard_after_forward=False``, gradient accumulation,
+``reshard_after_forward`` False and 2, gradient accumulation,
 ``clip_grad_norm_``, W=2 and W=4) runs in every mode at
 ``PARITY_XLA_FLAGS``; the parent requires the modes' final parameters to be
 equal bit for bit and every parameter to have moved. The fp32 configuration
@@ -51,16 +51,16 @@ MODES = {"grouped": (True, True), "per-param": (False, True), "per-param-1by1": 
 CONFIGS: dict[str, tuple[int, dict]] = {
     "fp32": (2, {}),
     # per-param casts each parameter into this rank's chunk of its all-gather
-    # output (a rank-dependent offset), so the ranks' graphs differ and the
-    # test bed cannot pair tuple collectives (docs/xla.md, the test bed)
+    # output (and reshard_after_forward=2 keeps this rank's chunk of each
+    # all-gathered parameter): rank-dependent offsets, so the ranks' graphs
+    # differ and the test bed cannot pair tuple collectives (docs/xla.md)
     "bf16-fp32": (2, {"mixed_precision": True, "not_in": ("per-param",)}),
     "reshard-false": (2, {"reshard_after_forward": False}),
     "grad-accum": (2, {"accumulate": 2}),
     "clip": (2, {"clip": 1.0}),
     "w4": (4, {}),
+    "w4-reshard-2": (4, {"reshard_after_forward": 2, "not_in": ("per-param",)}),
 }
-# Not here: reshard_after_forward=<int> builds a 2-D post-forward mesh with
-# DeviceMesh(...), which makes no process groups for "xla" (docs/xla.md)
 # XLA:CPU's code for a dot depends on the graph it lands in, and the modes cut
 # a step into different graphs, so parity is asserted with LLVM's
 # optimizations off, where the code does not depend on the cut (docs/xla.md)

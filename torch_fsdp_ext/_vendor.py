@@ -215,6 +215,22 @@ REWRITES: tuple[Rewrite, ...] = (
         "torch has no device module for xla; the package's xla registration "
         "provides it, so it must run before FSDP asks for the device handle",
     ),
+    Rewrite(
+        "_fsdp_init.py",
+        "        post_forward_mesh = DeviceMesh(\n"
+        "            mesh_info.mesh.device_type, post_forward_mesh_tensor\n"
+        "        )\n",
+        "        if mesh_info.mesh.device_type == \"xla\":\n"
+        f"            from {PACKAGE}.xla import _mesh_from_tensor\n\n"
+        "            post_forward_mesh = _mesh_from_tensor(post_forward_mesh_tensor)\n"
+        "        else:\n"
+        "            post_forward_mesh = DeviceMesh(\n"
+        "                mesh_info.mesh.device_type, post_forward_mesh_tensor\n"
+        "            )\n",
+        1,
+        "DeviceMesh makes no process groups for xla; reshard_after_forward=<int> "
+        "needs them for its post-forward mesh",
+    ),
 )
 
 # Project tests that travel upstream import the package; in the series they

@@ -298,6 +298,36 @@ def _commit_xla_inplace_updates(dispatch):
     return dispatch_and_commit
 
 
+def _mesh_from_tensor(mesh: torch.Tensor) -> DeviceMesh:
+    """An ``"xla"`` mesh over the ranks of ``mesh``, a process group per dim.
+
+    ``DeviceMesh("xla", mesh)`` makes no process groups, and FSDP builds one
+    for ``reshard_after_forward=<int>`` (the 2-D post-forward mesh); the
+    generated copy calls this instead on ``"xla"``.
+    """
+    rank = dist.get_rank()
+    groups = []
+    for dim in range(mesh.ndim):
+        replica_groups = mesh.movedim(dim, -1).reshape(-1, mesh.size(dim)).tolist()
+        # c10d: every rank creates every group, in the same order
+        own = None
+        for ranks in replica_groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                own = group
+        # An XLA collective's replica groups partition every replica (the
+        # HLO verifier rejects {{0, 1}} at 4 replicas); torch_xla's process
+        # group passes its ``_mesh`` as those groups
+        own._mesh = replica_groups  # type: ignore[union-attr]
+        groups.append(own)
+    names = tuple(f"dim{i}" for i in range(mesh.ndim))
+    device_mesh = DeviceMesh.from_group(groups, "xla", mesh=mesh, mesh_dim_names=names)
+    if getattr(device_mesh, "_coordinate_on_dim", None) is None:
+        # as in mesh_from_group: DTensor reads this rank's coordinate
+        device_mesh._coordinate_on_dim = [int(i) for i in (mesh == rank).nonzero()[0]]
+    return device_mesh
+
+
 _registered = False
 
 
