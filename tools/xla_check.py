@@ -237,9 +237,9 @@ class _TestBed:
 
     def step_sync(self) -> None:
         """Sync every rank, in rank order: rank r starts once rank r - 1's
-        graph is compiled (or its sync returned), so that a graph that is the
-        same on every rank is compiled once and the others take it from
-        torch_xla's compile cache. XLA:CPU pairs a collective without a
+        graph is in torch_xla's compile cache (or its sync returned), so that
+        a graph that is the same on every rank is compiled once and the others
+        take it from the cache. XLA:CPU pairs a collective without a
         channel id by the id of its compiled module, and torch_xla's list
         (tuple) collectives take no channel id. Rank r must not wait for rank
         r - 1's sync to return: it blocks in the collective until rank r joins.
@@ -249,8 +249,11 @@ class _TestBed:
         import torch_xla.debug.metrics as met
 
         def compiles() -> int:
-            compiled = met.metric_data("CompileTime")
-            return (compiled[0] if compiled else 0) + (met.counter_value("CachedCompile") or 0)
+            # Grows once a graph is in the compile cache: a compiled graph is
+            # added to it, a cache hit counts as CachedCompile
+            return torch_xla._XLAC._xla_get_num_cached_compilation_graph() + (
+                met.counter_value("CachedCompile") or 0
+            )
 
         rank = dist.get_rank()
         self.barrier.wait()
@@ -262,8 +265,6 @@ class _TestBed:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {rank - 1}'s sync neither compiled nor returned")
                 time.sleep(0.01)
-            # the compile is counted just before its executable is cached
-            time.sleep(0.05)
         self._entered[rank] = compiles()
         torch_xla.sync(wait=True)
         self._returned[rank] = True
