@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import sys
 import types
 from collections.abc import Iterator
@@ -46,6 +47,8 @@ from torch.distributed.tensor import DTensor
 from ._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 from ._fully_shard._fsdp_backend import FSDPBackend, register_fsdp_backend
 from ._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["mesh_from_group", "register", "XlaAllGather", "XlaReduceScatter", "XLA_BACKEND"]
 
@@ -77,10 +80,28 @@ def _copy_results(outputs: list[torch.Tensor], results: list[torch.Tensor]) -> N
         output.copy_(result.view(output.shape))
 
 
-def _replica_groups(group: dist.ProcessGroup) -> list[list[int]]:
+def _replica_groups(group: dist.ProcessGroup) -> list[list[int]] | None:
     # torch_xla's ProcessGroupXla keeps its replica groups in ``_mesh`` ([] for
-    # the world), which its own collectives pass to xm as ``groups``
-    return group._mesh  # type: ignore[attr-defined]
+    # the world), which its own collectives pass to xm as ``groups``; None
+    # for another process group, whose collectives xm cannot issue
+    return getattr(group, "_mesh", None)
+
+
+def _tuple_unsupported(group: dist.ProcessGroup, comm: object) -> bool:
+    if _replica_groups(group) is not None:
+        return False
+    if comm.__class__ not in _warned:
+        _warned.add(comm.__class__)
+        logger.warning(
+            "%s: %r is not torch_xla's process group, so its collectives cannot go "
+            "out as one tuple collective; issuing them one per parameter",
+            comm.__class__.__name__,
+            group,
+        )
+    return True
+
+
+_warned: set[type] = set()
 
 
 class XlaAllGather(DefaultAllGather):
@@ -95,6 +116,8 @@ class XlaAllGather(DefaultAllGather):
         self.bucket_cap_bytes = bucket_cap_bytes
 
     def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        if _tuple_unsupported(group, self):
+            return super().foreach(output_tensors, input_tensors, group, async_op)
         import torch_xla.core.xla_model as xm
 
         for outputs, inputs in _buckets(output_tensors, input_tensors, self.bucket_cap_bytes):
@@ -114,6 +137,8 @@ class XlaReduceScatter(DefaultReduceScatter):
         self.bucket_cap_bytes = bucket_cap_bytes
 
     def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        if _tuple_unsupported(group, self):
+            return super().foreach(output_tensors, input_tensors, group, op, async_op)
         import torch_xla.core.xla_model as xm
 
         # ProcessGroupXla's own mapping: it raises for ops XLA has not (AVG)

@@ -9,12 +9,14 @@ import types
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_ext import get_fsdp_backend, xla
 from torch_fsdp_ext._fully_shard import _fsdp_init
+from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 
 class TestFullyShardXLAKernels(TestCase):
@@ -45,6 +47,10 @@ class TestFullyShardXLAKernels(TestCase):
         outs = [torch.empty(3), torch.empty(0), torch.empty(7)]
         xla._split_with_sizes_copy(src, [3, 0, 7], out=outs)
         self.assertEqual(torch.cat(outs), src, atol=0, rtol=0)
+
+
+class _NotXlaGroup:
+    """A process group stand-in without torch_xla's replica groups."""
 
 
 class TestFullyShardXLATupleCollectives(TestCase):
@@ -81,6 +87,33 @@ class TestFullyShardXLATupleCollectives(TestCase):
         self.assertIs(xla.XLA_BACKEND.reduce_scatter_comm, xla.XlaReduceScatter)
         self.assertTrue(xla.XlaAllGather.accepts_parameter_output)
         self.assertTrue(xla.XlaReduceScatter.accepts_gradient_input)
+
+    def test_other_process_groups_go_one_by_one(self):
+        """Tests that with a process group that is not torch_xla's (no replica
+        groups), the tuple comms say why once and issue the collectives one
+        per parameter, in order, through the default ``__call__``."""
+        group = _NotXlaGroup()
+        outputs, inputs = [torch.empty(4), torch.empty(2)], [torch.empty(2), torch.empty(1)]
+        for comm, args, default in (
+            (xla.XlaAllGather(), (), DefaultAllGather),
+            (xla.XlaReduceScatter(), (dist.ReduceOp.SUM,), DefaultReduceScatter),
+        ):
+            with self.subTest(comm=type(comm).__name__):
+                xla._warned.discard(type(comm))
+                with mock.patch.object(default, "__call__") as call:
+                    with self.assertLogs(xla.logger, "WARNING") as logs:
+                        for _ in range(2):
+                            self.assertIsNone(comm.foreach(outputs, inputs, group, *args))
+                self.assertEqual(len(logs.records), 1)
+                self.assertIn("one per parameter", logs.output[0])
+                self.assertEqual(
+                    [c.args[:2] for c in call.call_args_list],
+                    [
+                        (o, i) if default is DefaultAllGather else (o, i)
+                        for o, i in zip(outputs, inputs)
+                    ]
+                    * 2,
+                )
 
     def test_bucket_cap_needs_tuple_collectives(self):
         """Tests that a bucket cap for one-by-one collectives raises."""
