@@ -108,11 +108,7 @@ class TestFullyShardXLATupleCollectives(TestCase):
                 self.assertIn("one per parameter", logs.output[0])
                 self.assertEqual(
                     [c.args[:2] for c in call.call_args_list],
-                    [
-                        (o, i) if default is DefaultAllGather else (o, i)
-                        for o, i in zip(outputs, inputs)
-                    ]
-                    * 2,
+                    list(zip(outputs, inputs, strict=True)) * 2,
                 )
 
     def test_bucket_cap_needs_tuple_collectives(self):
