@@ -1,8 +1,8 @@
 """FSDP2 on torch_xla devices (``"xla"``).
 
-:func:`register` is what a training script, or torch_xla itself, calls once
-after ``import torch_xla``; then ``fully_shard`` works on a mesh of device
-type ``"xla"``, per parameter by default. It registers:
+:func:`register` makes ``fully_shard`` work on a mesh of device type
+``"xla"``, per parameter by default; ``fully_shard`` calls it itself on its
+first ``"xla"`` mesh. It registers:
 
 - an FSDP backend for ``"xla"`` (:func:`torch_fsdp_ext.register_fsdp_backend`):
   per-parameter collectives by default, which need no copy-in or copy-out
@@ -24,9 +24,8 @@ type ``"xla"``, per parameter by default. It registers:
   parameter by resizing its storage to 0, and an XLA tensor's storage cannot
   be resized; XLA frees device memory when the graph no longer needs it.
 
-The package calls :func:`register` itself when ``fully_shard`` first meets an
-``"xla"`` mesh. The mesh comes from :func:`mesh_from_group`, since
-``init_device_mesh`` makes no process groups for ``"xla"``. docs/xla.md lists
+The mesh comes from :func:`mesh_from_group`, since ``init_device_mesh`` makes
+no process groups for ``"xla"``. docs/xla.md lists
 which of these are upstream bugs, each with a one-line repro.
 """
 
@@ -87,6 +86,10 @@ def _replica_groups(group: dist.ProcessGroup) -> list[list[int]] | None:
     return getattr(group, "_mesh", None)
 
 
+# the comm classes that said why they go one by one (once each)
+_warned: set[type] = set()
+
+
 def _tuple_unsupported(group: dist.ProcessGroup, comm: object) -> bool:
     if _replica_groups(group) is not None:
         return False
@@ -99,9 +102,6 @@ def _tuple_unsupported(group: dist.ProcessGroup, comm: object) -> bool:
             group,
         )
     return True
-
-
-_warned: set[type] = set()
 
 
 class XlaAllGather(DefaultAllGather):
