@@ -62,7 +62,16 @@ MP = {
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32
     ),
 }
-DEFAULT_SHAPES = ["16:64:8", "32:128:4", "64:256:4", "128:512:2", "512:2048:2", "1024:4096:2"]
+DEFAULT_SHAPES = [
+    "16:32:8",
+    "16:32:16",
+    "32:64:8",
+    "32:64:16",
+    "16:64:8",
+    "64:256:4",
+    "128:512:2",
+    "512:2048:2",
+]
 # Per-param's minimum over grouped's minimum that counts as "ok"
 OK_RATIO = 1.02
 
