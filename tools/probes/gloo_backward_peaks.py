@@ -170,7 +170,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mp", nargs="+", choices=sorted(MP), default=["fp32", "bf16-fp32"])
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, metavar="DIM:HIDDEN:BLOCKS")
-    parser.add_argument("--blocks", nargs="+", choices=sorted(BLOCKS), default=["layernorm-gelu"])
+    parser.add_argument(
+        "--blocks",
+        nargs="+",
+        choices=sorted(BLOCKS),
+        default=["layernorm-gelu"],
+        help="residual blocks to build (see above; default: layernorm-gelu)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(
