@@ -3,8 +3,13 @@ from the caching allocator's statistics on CUDA."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import sys
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -44,6 +49,47 @@ def sum_loss(model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
     return model(inp).sum()
 
 
+# c10's CPU allocator keeps the profiler's running total of allocated bytes
+# (``ProfiledCPUMemoryReporter``). It updates that total only on a thread where
+# memory profiling is on, or everywhere while this c10 flag is set. A block
+# freed on any other thread (a gloo worker thread dropping the last reference
+# to a collective's temporary, e.g. the clone of every reduce-scatter input)
+# stayed in the total for the rest of the profile, with no free event: each
+# such collective raised every later peak by its temporary's bytes
+_REPORT_CPU_MEMORY_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+_C10_LIBRARY = {"darwin": "libc10.dylib", "win32": "c10.dll"}.get(sys.platform, "libc10.so")
+# How long the measured step waits after the warm-up for gloo's worker
+# threads to drop the warm-up's last collective temporaries; one still held
+# then and freed during the measured step would lower its peaks
+_SETTLE_S = 0.05
+
+
+def _report_cpu_memory_flag() -> ctypes.c_bool | None:
+    try:
+        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / _C10_LIBRARY))
+        return ctypes.c_bool.in_dll(library, _REPORT_CPU_MEMORY_FLAG)
+    except (OSError, ValueError):  # not this build's library or symbol
+        return None
+
+
+@contextlib.contextmanager
+def count_cpu_frees_on_every_thread() -> Iterator[None]:
+    """Makes the profiler's running total of CPU bytes count blocks allocated
+    and freed on every thread, not only on threads it profiles (free events
+    are still recorded only there). With the flag set, c10 also formats an
+    INFO log line per allocation, printed only at that log level."""
+    flag = _report_cpu_memory_flag()
+    if flag is None:
+        yield
+        return
+    saved = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = saved
+
+
 def profile_step(
     model: nn.Module, inp: torch.Tensor, loss_fn: LossFn = sum_loss
 ) -> torch.profiler.profile:
@@ -51,12 +97,21 @@ def profile_step(
     marked ``{warmup,measured}_{forward,backward}`` with ``record_function``;
     the forward is ``loss_fn(model, inp)``. The cycle collector is off while
     profiling: tensors of an earlier profiled run that it frees would lower
-    the allocator's running total in the middle of the measured step."""
+    the allocator's running total in the middle of the measured step. Frees
+    on threads the profiler does not follow count
+    (:func:`count_cpu_frees_on_every_thread`), and the measured step starts
+    once gloo's worker threads have had time to drop the warm-up's last
+    collective temporaries."""
     gc.collect()
     gc.disable()
     try:
-        with torch.profiler.profile(profile_memory=True) as prof:
+        with (
+            count_cpu_frees_on_every_thread(),
+            torch.profiler.profile(profile_memory=True) as prof,
+        ):
             for step in ("warmup", "measured"):
+                if step == "measured":
+                    time.sleep(_SETTLE_S)
                 with record_function(f"{step}_forward"):
                     loss = loss_fn(model, inp)
                 with record_function(f"{step}_backward"):
@@ -83,7 +138,9 @@ def step_peak_bytes(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn = sum_l
     steps run under one profiler: the CPU allocator
     reports a free only for a block it saw allocated while profiling, and its
     running total carries over from earlier profiler sessions, hence the
-    baseline taken from the measured step's first allocation.
+    baseline taken from the measured step's first allocation. Blocks freed on
+    threads the profiler does not follow (gloo's workers) leave the total
+    when freed (:func:`profile_step`).
     """
     if inp.device.type == "cuda":
         return _cuda_step_peak_bytes(model, inp, loss_fn)
