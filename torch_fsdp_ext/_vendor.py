@@ -220,7 +220,7 @@ REWRITES: tuple[Rewrite, ...] = (
         "        post_forward_mesh = DeviceMesh(\n"
         "            mesh_info.mesh.device_type, post_forward_mesh_tensor\n"
         "        )\n",
-        "        if mesh_info.mesh.device_type == \"xla\":\n"
+        '        if mesh_info.mesh.device_type == "xla":\n'
         f"            from {PACKAGE}.xla import _mesh_from_tensor\n\n"
         "            post_forward_mesh = _mesh_from_tensor(post_forward_mesh_tensor)\n"
         "        else:\n"
