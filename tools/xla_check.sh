@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # FSDP2 grouped vs per-parameter on torch_xla's PJRT CPU device: set up the
 # torch 2.9.0 venv with torch-xla 2.9.0 if needed, then run tools/xla_check.py,
-# which writes the JSON report and fails unless the modes agree bit for bit and
-# per-param needs no more concatenates, host round trips or graphs per step.
+# which writes the JSON report and fails unless, in every configuration, the
+# modes agree bit for bit and every parameter moved under torch.optim.AdamW,
+# and per-param needs no more collectives, host round trips or graphs per step.
 set -euo pipefail
 usage="usage: bash tools/xla_check.sh OUT.json [tools/xla_check.py options]"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,5s/^# //p' "$0"
+  sed -n '2,6s/^# //p' "$0"
   echo "$usage"
   exit 0
 fi
@@ -19,5 +20,5 @@ bash tools/setup_and_test.sh --base "$base" --setup-only
 py=.venv-$base/bin/python
 echo "== installing torch-xla==$base into .venv-$base"
 PIP_CONSTRAINT=/dev/null $py -m pip install -q "torch==$base" "torch-xla==$base"
-echo "== tools/xla_check.py (2 ranks on PJRT CPU, grouped then per-param)"
+echo "== tools/xla_check.py (PJRT CPU, W=2 and 4: grouped, per-param tuple, per-param one by one)"
 $py tools/xla_check.py --check --out "$out" "$@"
