@@ -178,7 +178,7 @@ class TestFullyShardPeakMeasurement(TestCase):
         total for the rest of the profile, so every collective whose
         temporary a worker thread happened to free raised all later peaks, and
         per-parameter collectives (several per group) more often than grouped
-        ones (issue 42)."""
+        ones (the 1.27x reported on small many-block models)."""
         if DEVICE_TYPE != "cpu":
             self.skipTest("the CPU path profiles; CUDA reads the caching allocator")
         freed_elsewhere = 1 << 20
@@ -221,7 +221,7 @@ class TestFullyShardPerParamMemoryGloo(FSDPExtTestMultiProcess):
     def test_backward_peak_not_above_grouped_small_blocks(self):
         """Tests that on gloo, with one group per small block, per-parameter
         mode's backward peak is not above grouped mode's, as on the fake
-        process group. Issue 42 measured 1.27x on such a model; the excess
+        process group. A report measured 1.27x on such a model; the excess
         was the profiler's: gloo's reduce-scatter temporaries freed on its
         worker threads stayed in the running total (see
         ``TestFullyShardPeakMeasurement``). This measured 1.24x before that

@@ -10,7 +10,7 @@ from the same seed. Blocks (``--blocks``):
 
   layernorm-gelu  test/fsdp_ext_testing/models.py's ``Model``: an input and an
                   output Linear around blocks x + Linear(GELU(Linear(LayerNorm(x))))
-  linear-relu     blocks x + Linear(ReLU(Linear(x))) only (issue 42's model)
+  linear-relu     blocks x + Linear(ReLU(Linear(x))) only (the reported 1.27x model)
 
 Modes:
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Count the runs that abort at exit when one gloo process trains a model
-grouped, then one per-parameter, with async unshard (issue 41's abort).
+grouped, then one per-parameter, with async unshard (a reported SIGABRT).
 
 Each run is a fresh 2-rank gloo job (W=2, 3 MLP blocks, fully_shard per block
 and at the root, ``reshard_after_forward=True``, ``_set_unshard_async_op(True)``
