@@ -74,7 +74,6 @@ _WORKER_OPTIONS = (
     "steps",
     "warmup",
     "lr",
-    "world_size",
     "vocab",
     "dim",
     "heads",
@@ -640,8 +639,8 @@ def _run_worker(
     else:
         env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {PARITY_XLA_FLAGS}".strip()
     for option in _WORKER_OPTIONS:
-        cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
-    cmd[cmd.index("--world-size") + 1] = str(world_size)
+        cmd += [f"--{option}", str(getattr(args, option))]
+    cmd += ["--world-size", str(world_size)]
     log.info("%s: %s", name, ", ".join(configs))
     if subprocess.run(cmd, env=env).returncode == -signal.SIGABRT:
         # XLA:CPU aborts the process when a rank joins a collective more than
