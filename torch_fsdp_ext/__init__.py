@@ -14,7 +14,6 @@ from . import _torch_compat  # noqa: E402, F401
 from ._clip_grad import clip_grad_norm_  # noqa: E402
 from ._fully_shard import (  # noqa: E402
     CPUOffloadPolicy,
-    DeterministicReduceScatter,
     FSDPBackend,
     FSDPModule,
     MixedPrecisionPolicy,
@@ -26,6 +25,8 @@ from ._fully_shard import (  # noqa: E402
     register_fsdp_forward_method,
     unregister_fsdp_backend,
 )
+# Experimental, for parity testing: torch does not export it from torch.distributed.fsdp
+from ._fully_shard._fsdp_collectives import DeterministicReduceScatter  # noqa: E402
 from ._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo  # noqa: E402
 
 __all__ = [

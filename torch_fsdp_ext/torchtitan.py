@@ -155,7 +155,10 @@ def _make_fully_shard(settings: FSDPExtSettings) -> Callable[..., Any]:
         sharded = torch_fsdp_ext.fully_shard(module, **kwargs)
         if settings.deterministic_reduce_scatter:
             for m in module if isinstance(module, list) else [module]:
-                m.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter())
+                # Every param group: MoE blocks have one per mesh
+                m.set_custom_reduce_scatter(
+                    torch_fsdp_ext.DeterministicReduceScatter(), all_param_groups=True
+                )
         return sharded
 
     fully_shard.__doc__ = f"torch_fsdp_ext.fully_shard with {settings} (torch_fsdp_ext.torchtitan)"

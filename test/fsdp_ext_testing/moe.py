@@ -360,7 +360,9 @@ def set_deterministic_reduce_scatter(model: nn.Module) -> None:
     meshes it serves each parameter group on that group's mesh."""
     for module in model.modules():
         if isinstance(module, torch_fsdp_ext.FSDPModule):
-            module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter())
+            module.set_custom_reduce_scatter(
+                torch_fsdp_ext.DeterministicReduceScatter(), all_param_groups=True
+            )
 
 
 class FSDPCollectiveTrace(CommRecorder):

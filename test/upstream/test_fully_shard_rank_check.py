@@ -201,18 +201,20 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         model(torch.randn(2, 8, device=device_type)).sum().backward()
         self.assertEqual(rank_check.round, 2)
 
-    def test_off_by_default_on_with_debug_level(self):
-        """Tests that the check issues nothing by default, so FSDP's
-        collectives are exactly upstream's, and exchanges its digest at lazy
-        init with ``TORCH_DISTRIBUTED_DEBUG=INFO``."""
+    def test_off_unless_set(self):
+        """Tests that the check issues nothing unless set, so that FSDP's
+        collectives are exactly upstream's, also with
+        ``TORCH_DISTRIBUTED_DEBUG`` at ``INFO`` or ``DETAIL``, and exchanges its
+        digest once at lazy init when set."""
         mesh = init_device_mesh(device_type.type, (self.world_size,))
-        for level, expected_calls in (
-            (dist.DebugLevel.OFF, 0),
-            (dist.DebugLevel.INFO, 1),
-            (dist.DebugLevel.DETAIL, 1),
+        for check, level, expected_calls in (
+            (None, dist.DebugLevel.OFF, 0),
+            (None, dist.DebugLevel.INFO, 0),
+            (None, dist.DebugLevel.DETAIL, 0),
+            (True, dist.DebugLevel.OFF, 1),
         ):
-            with self.subTest(level=level):
-                model = _shard(_model(), check=None, mesh=mesh)
+            with self.subTest(check=check, level=level):
+                model = _shard(_model(), check=check, mesh=mesh)
                 with (
                     _debug_level(level, self.rank),
                     _recording_all_gather_object(self.rank) as calls,
@@ -244,17 +246,17 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
             model.set_rank_consistency_check(True)
 
     def test_check_can_be_disabled(self):
-        """Tests that ``set_rank_consistency_check(False)`` on the root skips
-        the check: a placement mismatch of equal shard sizes then trains."""
+        """Tests that ``set_rank_consistency_check(False)`` on the root after
+        ``True`` skips the check: a placement mismatch of equal shard sizes
+        then trains."""
         mesh = init_device_mesh(device_type.type, (self.world_size,))
         model = _shard(
             _model(),
-            check=False,
             mesh=mesh,
             shard_placement_fn=lambda p: Shard(self.rank % p.ndim),
         )
-        with _debug_level(dist.DebugLevel.DETAIL, self.rank):
-            model(torch.randn(2, 8, device=device_type)).sum().backward()
+        model.set_rank_consistency_check(False)
+        model(torch.randn(2, 8, device=device_type)).sum().backward()
 
 
 class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):

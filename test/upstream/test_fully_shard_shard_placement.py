@@ -172,28 +172,27 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
             check_model,
         )
 
-    def test_fsdp_mesh_info_on_2d_mesh_shards_on_sub_mesh(self):
-        """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh trains through the
-        optimizer step (it used to fail on DTensor in-place ops) and is bitwise
-        equal to passing that dim's 1D sub-mesh, in both collective modes."""
+    def test_fsdp_mesh_info_on_2d_mesh_raises_naming_sub_mesh(self):
+        """Tests that ``FSDPMeshInfo`` on one dim of a 2D mesh, which would put
+        the params on the 2D mesh with one placement and fail at the optimizer
+        step, raises at ``fully_shard`` naming the sub-mesh to pass instead."""
         world_mesh = init_device_mesh(
             device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
         )
         dp_mesh = init_device_mesh(device_type.type, (self.world_size,))
-
-        def check_model(model):
-            self.assertEqual(model.experts.w.device_mesh, world_mesh["efsdp"])
-
         mesh_info_2d = FSDPMeshInfo(world_mesh, shard_mesh_dim=0)
-        states = self._train_both_modes(
-            dp_mesh, ShardPlacementResult(Shard(1), mesh_info_2d), check_model
-        )
-        ref_states = self._train_both_modes(
-            dp_mesh,
-            ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
-            check_model,
-        )
-        self._assert_states_equal(states[0], ref_states[0])
+        with self.assertRaisesRegex(
+            ValueError, r"ShardPlacementResult\(placement, mesh=mesh\['efsdp'\]\)"
+        ):
+            fully_shard(
+                _MoEBlock(8),
+                mesh=dp_mesh,
+                shard_placement_fn=lambda p: (
+                    ShardPlacementResult(Shard(1), mesh_info_2d)
+                    if _is_expert(p)
+                    else None
+                ),
+            )
 
     def test_ep_dtensor_experts_sharded_on_efsdp_sub_mesh(self):
         """Tests that expert params that are already ``Shard(0)`` DTensors on the
@@ -237,8 +236,8 @@ class _PerGroupBufferAllGather(AllGather):
 class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
     def test_custom_comms_serve_every_mesh_group(self):
         """Tests that ``set_custom_all_gather`` and ``set_custom_reduce_scatter``
-        on a module with experts on another mesh use the comm for both param
-        groups, each called with its own process group, so that a stateful
+        with ``all_param_groups=True`` on a module with experts on another
+        mesh use the comm for both param groups, each called with its own process group, so that a stateful
         comm keeps a buffer per group, and that with it and
         ``DeterministicReduceScatter`` both collective modes give the same bits."""
         world_mesh = init_device_mesh(
@@ -249,8 +248,8 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
         def set_comms(model):
             all_gathers.append(_PerGroupBufferAllGather())
             reduce_scatter = DeterministicReduceScatter()
-            model.set_custom_all_gather(all_gathers[-1])
-            model.set_custom_reduce_scatter(reduce_scatter)
+            model.set_custom_all_gather(all_gathers[-1], all_param_groups=True)
+            model.set_custom_reduce_scatter(reduce_scatter, all_param_groups=True)
             for param_group in model._get_fsdp_state()._fsdp_param_groups:
                 self.assertIs(param_group._all_gather_comm, all_gathers[-1])
                 self.assertIs(param_group._reduce_scatter_comm, reduce_scatter)
@@ -285,9 +284,13 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
         )
         dp_group = dp_mesh.get_group()
         with self.assertRaisesRegex(ValueError, "ProcessGroupAllocAllGather .*"):
-            model.set_custom_all_gather(ProcessGroupAllocAllGather(dp_group))
+            model.set_custom_all_gather(
+                ProcessGroupAllocAllGather(dp_group), all_param_groups=True
+            )
         with self.assertRaisesRegex(ValueError, "ProcessGroupAllocReduceScatter"):
-            model.set_custom_reduce_scatter(ProcessGroupAllocReduceScatter(dp_group))
+            model.set_custom_reduce_scatter(
+                ProcessGroupAllocReduceScatter(dp_group), all_param_groups=True
+            )
         dense = fully_shard(nn.Linear(8, 8), mesh=dp_mesh)
         dense.set_custom_all_gather(ProcessGroupAllocAllGather(dp_group))
         dense.set_custom_reduce_scatter(ProcessGroupAllocReduceScatter(dp_group))
