@@ -24,7 +24,9 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
 )
-from torch_fsdp_ext import DeterministicReduceScatter
+from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    DeterministicReduceScatter,
+)
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     lib as fsdp_lib,
 )
@@ -538,86 +540,6 @@ class _AllocatingAllGather(AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.output_data_ptrs.append(output_tensor.data_ptr())
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
-
-
-class _CoalescingGroup:
-    """A stand-in process group whose c10d backend on "meta" coalesces; it
-    records the coalesced ops it is asked for."""
-
-    _device_types = [torch.device("meta")]
-    supports_coalescing = True
-
-    def __init__(self):
-        self.coalesced_ops: list[str] = []
-
-    def size(self) -> int:
-        return 2
-
-    def _get_backend(self, device):
-        return self
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts):
-        self.coalesced_ops.append("all_gather")
-        return _DoneWork()
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        self.coalesced_ops.append("reduce_scatter")
-        return _DoneWork()
-
-
-class _DoneWork:
-    def wait(self) -> bool:
-        return True
-
-
-class _CallRecordingAllGather(DefaultAllGather):
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.calls += 1
-
-
-class _CallRecordingReduceScatter(DefaultReduceScatter):
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.calls += 1
-
-
-class TestFullyShardGroupCollectivesCustomComms(TestCase):
-    def test_coalescing_holds_only_below_the_class_that_opts_in(self):
-        """Tests that the default comms' coalescing through the process group
-        holds for subclasses only while they do not override ``__call__``,
-        which it would skip."""
-        for comm_cls, coalesces in (
-            (DefaultAllGather, True),
-            (DefaultReduceScatter, True),
-            (_CallRecordingAllGather, False),
-            (_CallRecordingReduceScatter, False),
-            (_OwnMemoryAllGather, True),
-            (_OwnMemoryReduceScatter, True),
-        ):
-            with self.subTest(comm=comm_cls.__name__):
-                self.assertIs(comm_cls._coalesces_call, coalesces)
-
-    def test_overridden_call_runs_where_the_group_coalesces(self):
-        """Tests that on a process group that coalesces, the default comms'
-        ``foreach`` issues one coalesced op, and a subclass that overrides
-        ``__call__`` gets one call per pair instead, none coalesced."""
-        outputs = [torch.empty(4, device="meta") for _ in range(3)]
-        inputs = [torch.empty(2, device="meta") for _ in range(3)]
-        group = _CoalescingGroup()
-        DefaultAllGather().foreach(outputs, inputs, group)
-        DefaultReduceScatter().foreach(inputs, outputs, group, dist.ReduceOp.SUM)
-        self.assertEqual(group.coalesced_ops, ["all_gather", "reduce_scatter"])
-        all_gather = _CallRecordingAllGather()
-        reduce_scatter = _CallRecordingReduceScatter()
-        all_gather.foreach(outputs, inputs, group)
-        reduce_scatter.foreach(inputs, outputs, group, dist.ReduceOp.SUM)
-        self.assertEqual((all_gather.calls, reduce_scatter.calls), (3, 3))
-        self.assertEqual(group.coalesced_ops, ["all_gather", "reduce_scatter"])
 
 
 class TestFullyShardGroupCollectivesRuntimeSwitch(_ParityTestCase):
