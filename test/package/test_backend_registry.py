@@ -73,6 +73,39 @@ class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
         self.check_parity(ParityConfig(), (EXT, {}), (UPSTREAM, {}))
 
 
+@pytest.mark.slow
+class TestFullyShardBackendRegistryGlooHSDP(ParityMixin, FSDPExtTestMultiProcess):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_hsdp_divide_factor_on_gloo_equals_force_sum(self):
+        """Tests that HSDP on gloo (2 x 2 mesh) with divide factors that equal
+        the shard size, the data-parallel size and neither trains, where the
+        base's own rule would pick PREMUL_SUM, with the bits of
+        ``set_force_sum_reduction_for_comms(True)``, in both modes."""
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for factor in (2.0, 4.0, 3.0):
+            for group_collectives in (True, False):
+                config = ParityConfig(
+                    mesh=mesh,
+                    fsdp_kwargs=lambda impl, gc=group_collectives: {
+                        "group_collectives": gc
+                    },
+                    after_shard=on_fsdp_modules(
+                        lambda m, f=factor: m.set_gradient_divide_factor(f)
+                    ),
+                )
+                self.check_parity(
+                    config,
+                    (EXT, {}),
+                    (EXT, {}),
+                    variant_after_shard=on_fsdp_modules(
+                        lambda m: m.set_force_sum_reduction_for_comms(True)
+                    ),
+                )
+
+
 class _Recording:
     """Records a comm's calls and what it was handed; keeps every allocation
     (so that no two share an address)."""
