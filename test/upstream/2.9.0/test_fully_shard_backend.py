@@ -441,7 +441,7 @@ class TestFullyShardBackendCapabilities(TestCase):
         and out-of-tree groups and with ``SUM`` plus FSDP's own divides on a
         gloo group, with no registration, and on a real (fake) c10d process
         group; also on a 1-rank gloo mesh, where the reduce-scatter runs as
-        well."""
+        well, and with HSDP for a factor other than the data-parallel size."""
         for backend in (_NCCL, _XCCL, _TPU, None):
             op = _get_gradient_divide_factors(
                 _FakeGroup(4, backend), None, torch.float32, "meta", 3.0
@@ -456,6 +456,19 @@ class TestFullyShardBackendCapabilities(TestCase):
             _FakeGroup(1, _GLOO), None, torch.float32, "meta", 2.0
         )
         self.assertEqual(factors[:3], (None, 2.0, dist.ReduceOp.SUM))
+        # HSDP: the factor is compared with the data-parallel size (4 here),
+        # so a factor equal to the shard size still needs PREMUL_SUM
+        for factor in (2.0, 3.0):
+            factors = _get_gradient_divide_factors(
+                _FakeGroup(2, _GLOO),
+                _FakeGroup(2, _GLOO),
+                torch.float32,
+                "meta",
+                factor,
+            )
+            self.assertEqual(
+                factors, (None, factor, dist.ReduceOp.SUM, dist.ReduceOp.SUM)
+            )
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
         try:
             group = dist.group.WORLD
