@@ -279,6 +279,21 @@ def primary_version(root: Path | None = None) -> str:
         return tomllib.load(f)["primary"]
 
 
+def rfc_stack_length(pdir: Path, root: Path | None = None) -> int:
+    """How many patches of ``pdir``'s series form the RFC stack (bases.toml's
+    ``rfc_stack_last`` and the patches before it); the rest are follow-ups."""
+    root = patches_root() if root is None else root
+    with open(root / BASES_FILE, "rb") as f:
+        last = tomllib.load(f)["rfc_stack_last"]
+    subjects = [patch_subject(patch) for patch in read_series(pdir)]
+    if last not in subjects:
+        raise VendorError(
+            f"{pdir / 'series'} lacks {last!r}, the last patch of the RFC stack that "
+            f"{root / BASES_FILE} names; every base carries it"
+        )
+    return subjects.index(last) + 1
+
+
 def release(version: str) -> str:
     """``2.14.1+cu128`` -> ``2.14.1``: builds of one release share their Python files."""
     return version.split("+", 1)[0]

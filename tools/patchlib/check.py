@@ -102,6 +102,17 @@ def check_bases_agree() -> list[str]:
                 'Fix: carry the change to every base (CONTRIBUTING.md, "Carrying a change '
                 'to every base")'
             )
+        try:
+            rfc = vendor.rfc_stack_length(pdir, PATCHES)
+            log.info(
+                "patches/%s: the RFC stack is patches 1-%d, the follow-ups %d-%d",
+                version,
+                rfc,
+                rfc + 1,
+                len(have),
+            )
+        except vendor.VendorError as e:
+            errors.append(str(e))
         tests = upstream_test_files(version)
         in_series = series_test_files(pdir)
         not_required = vendor.omitted_tests(version, PATCHES) if omitted else {}

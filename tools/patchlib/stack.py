@@ -9,7 +9,8 @@ would after each commit, and checks the files touched so far with PyTorch's
 ruff settings (as ``check`` does for the whole series). A stand-in
 ``torch_fsdp_ext`` exports only the generated ``_fully_shard``, since the
 package's own extras need the whole series. Exits 0 only if every position
-passes; names the first patch whose tests fail otherwise.
+passes; names the first patch whose tests fail otherwise. It says when the
+RFC stack (patches/bases.toml's ``rfc_stack_last``) has passed on its own.
 
     python tools/patches.py stack              # every position (about 2 minutes)
     python tools/patches.py stack --from 5     # positions 5..N only
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     target = resolve_target(args)
     vendor.check_upstream(target.root, vendor.read_base(target.pdir))
     count = len(vendor.read_series(target.pdir))
+    rfc = vendor.rfc_stack_length(target.pdir)
     for position in range(args.start, count + 1):
         if not run_position(target.root, target.pdir, position, args.pytest_args):
             log.error(
@@ -129,5 +131,12 @@ def run(args: argparse.Namespace) -> int:
                 target.version,
             )
             return 1
-    log.info("ok: every position of patches/%s passes its tests", target.version)
+        if position == rfc:
+            log.info("ok: the RFC stack (patches 1-%d) passes on its own", rfc)
+    log.info(
+        "ok: every position of patches/%s passes its tests (follow-ups %d-%d on top)",
+        target.version,
+        rfc + 1,
+        count,
+    )
     return 0
