@@ -25,6 +25,7 @@ from ._fully_shard import (  # noqa: E402
     register_fsdp_forward_method,
     unregister_fsdp_backend,
 )
+
 # Experimental, for parity testing: torch does not export it from torch.distributed.fsdp
 from ._fully_shard._fsdp_collectives import DeterministicReduceScatter  # noqa: E402
 from ._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo  # noqa: E402

@@ -89,9 +89,7 @@ class TestFullyShardBackendRegistryGlooHSDP(ParityMixin, FSDPExtTestMultiProcess
             for group_collectives in (True, False):
                 config = ParityConfig(
                     mesh=mesh,
-                    fsdp_kwargs=lambda impl, gc=group_collectives: {
-                        "group_collectives": gc
-                    },
+                    fsdp_kwargs=lambda impl, gc=group_collectives: {"group_collectives": gc},
                     after_shard=on_fsdp_modules(
                         lambda m, f=factor: m.set_gradient_divide_factor(f)
                     ),
