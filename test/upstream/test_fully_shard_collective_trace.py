@@ -388,11 +388,19 @@ out_proj.bias""",
 
 
 class TestFullyShardGroupedSurfaceWithRegistry(TestCase):
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
     def test_mtia_reduces_with_sum_after_registry_calls(self):
         """Tests that MTIA reduces with ``SUM``, with FSDP's own divides,
         whatever an FSDP backend registered for it declares and after it is
         unregistered."""
-        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        group = dist.distributed_c10d._get_default_group()
 
         def reduce_ops() -> list[tuple]:
             ops = []
@@ -408,7 +416,7 @@ class TestFullyShardGroupedSurfaceWithRegistry(TestCase):
                 ops.append((pre, post, _reduce_op_name(rs_op), _reduce_op_name(ar_op)))
             return ops
 
-        expected = [(None, 1.0, "SUM", "SUM"), (None, 3.0, "SUM", "SUM")]
+        expected = [(None, 4.0, "SUM", "SUM"), (None, 3.0, "SUM", "SUM")]
         self.assertEqual(reduce_ops(), expected)
         register_fsdp_backend(
             "mtia",
