@@ -2,21 +2,21 @@
 
 import contextlib
 import datetime
-import gc
 import warnings
 from collections import Counter
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing._internal.common_fsdp import MLP
-from torch.testing._internal.common_fsdp import get_devtype
+from torch_fsdp_ext import fully_shard
+from torch_fsdp_ext._fully_shard import _fsdp_param_group
+from torch.testing._internal.common_fsdp import get_devtype, MLP
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_fsdp_ext import fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext import FSDPModule
 from torch_fsdp_ext import (
@@ -26,16 +26,15 @@ from torch_fsdp_ext import (
     unregister_fsdp_backend,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
-    _comm_capabilities_cache,
+    _CommCapabilities,
     _get_comm_capabilities,
     _get_gradient_divide_factors,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
-    _foreach_coalesced,
-)
-from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    _foreach_coalesced_if_supported,
     DefaultAllGather,
     DefaultReduceScatter,
+    ProcessGroupAllocAllGather,
 )
 from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 
@@ -179,36 +178,6 @@ class TestFullyShardBackendRegistry(TestCase):
         ):
             unregister_fsdp_backend("meta")
 
-    def test_missing_capabilities_select_force_sum(self):
-        """Tests that a backend without PREMUL_SUM (divide factor) or without
-        AVG reduces with exactly the ops and factors of
-        ``set_force_sum_reduction_for_comms(True)``."""
-        pg = _FakeGroup(4, _NCCL)
-        forced = _get_gradient_divide_factors(
-            pg, None, torch.float32, "meta", 3.0, True
-        )
-        with _registered("meta", FSDPBackend(supports_premul_sum=False)):
-            self.assertEqual(
-                _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0),
-                forced,
-            )
-            # AVG stays available when the factor is the world size
-            self.assertEqual(
-                _get_gradient_divide_factors(pg, None, torch.float32, "meta", 4.0)[2],
-                dist.ReduceOp.AVG,
-            )
-        forced_avg = _get_gradient_divide_factors(
-            pg, None, torch.float32, "meta", None, True
-        )
-        with _registered("meta", FSDPBackend(supports_avg=False)):
-            self.assertEqual(
-                _get_gradient_divide_factors(pg, None, torch.float32, "meta", None),
-                forced_avg,
-            )
-        # Without a registration, NCCL's divide factor uses PREMUL_SUM
-        _, _, op, _ = _get_gradient_divide_factors(pg, None, torch.float32, "meta", 3.0)
-        self.assertNotEqual(op, dist.ReduceOp.SUM)
-
 
 class _C10dBackend:
     """What FSDP asks of a process group's c10d backend: a stand-in for one
@@ -225,25 +194,10 @@ class _C10dBackend:
 _NCCL = _C10dBackend("nccl", supports_coalescing=True)
 _XCCL = _C10dBackend("xccl", supports_coalescing=True)
 _TPU = _C10dBackend("tpu_dist", supports_coalescing=False)
+_MPI = _C10dBackend("mpi", supports_coalescing=False)
 # A real c10d gloo backend (one rank): FSDP tells gloo's lack of
-# ``PREMUL_SUM`` by its type; it does not report coalescing
+# ``PREMUL_SUM`` by its ``name()``; it does not report coalescing
 _GLOO = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
-
-
-class _CoalescingGloo(dist.ProcessGroupGloo):
-    """A gloo c10d backend that reports coalescing (gloo implements the
-    coalesced ops but does not report them)."""
-
-    supports_coalescing = True
-
-
-class _Work:
-    def __init__(self):
-        self.waited = False
-
-    def wait(self) -> bool:
-        self.waited = True
-        return True
 
 
 class _FakeGroup:
@@ -265,219 +219,131 @@ class _FakeGroup:
 
 
 class TestFullyShardBackendCapabilities(TestCase):
-    def test_reduce_ops_asked_once_per_group_and_device_type(self):
-        """Tests that a process group's c10d backend is asked once per device
-        type however often FSDP asks (at every gradient reduction), that
-        another group is asked anew, and that the cached entry goes with its
-        group."""
-        meta, cpu = torch.device("meta"), torch.device("cpu")
-        group, other = _FakeGroup(2, _NCCL), _FakeGroup(2, _GLOO)
-        # Groups of earlier tests in this process may still be cached until
-        # collected; counting after a collection counts this test's entries
-        gc.collect()
-        num_entries = len(_comm_capabilities_cache)
-        for _ in range(3):
-            caps = _get_comm_capabilities(group, meta)
-            self.assertEqual((caps.avg, caps.premul_sum), (True, True))
-            caps = _get_comm_capabilities(group, cpu)
-            self.assertEqual((caps.avg, caps.premul_sum), (True, True))
-        self.assertEqual(group.backend_queries, 1)
-        caps = _get_comm_capabilities(other, meta)
-        self.assertEqual((caps.avg, caps.premul_sum), (True, False))
-        self.assertEqual(other.backend_queries, 1)
-        self.assertEqual(len(_comm_capabilities_cache), num_entries + 2)
-        del group, other
-        gc.collect()
-        self.assertEqual(len(_comm_capabilities_cache), num_entries)
-
-    def test_capabilities_asked_once_per_group_and_device_type(self):
-        """Tests that coalescing is read with the reduce ops, once per group
-        and device type (per-parameter collectives ask at every collective)."""
-        meta, cpu = torch.device("meta"), torch.device("cpu")
-        group, other = _FakeGroup(2, _NCCL), _FakeGroup(2, _TPU)
-        for _ in range(3):
-            self.assertEqual(
-                tuple(_get_comm_capabilities(group, meta)), (True, True, True, True)
-            )
-            self.assertEqual(
-                tuple(_get_comm_capabilities(group, cpu)), (False, True, True, True)
-            )
-        self.assertEqual(group.backend_queries, 1)
-        self.assertEqual(
-            tuple(_get_comm_capabilities(other, meta)), (False, True, True, True)
-        )
-        self.assertEqual(other.backend_queries, 1)
-
-    def test_mixed_dtypes_go_one_by_one(self):
-        """Tests that pairs of one dtype go out as one coalesced op where the
-        process group coalesces, and pairs of several dtypes one by one (gloo's
-        coalesced all-gather is wrong for some dtype mixes)."""
-        group = _FakeGroup(2, _NCCL)
-        calls = []
-        for dtypes, expected in (
-            ((torch.float32, torch.float32), ["coalesced"]),
-            ((torch.bfloat16, torch.float32), ["call", "call"]),
-        ):
-            calls.clear()
-            inputs = [torch.empty(2, dtype=dtype, device="meta") for dtype in dtypes]
-            _foreach_coalesced(
-                lambda output, input: calls.append("call"),
-                lambda: calls.append("coalesced"),
-                [torch.empty_like(t) for t in inputs],
-                inputs,
-                group,
-                async_op=True,
-            )
-            self.assertEqual(calls, expected, msg=str(dtypes))
-
-    def test_coalesced_op_on_gloo_is_waited_before_returning(self):
-        """Tests that a coalesced op is returned in flight for ``async_op``,
-        except on gloo, where it is waited first: gloo's coalesced all-gather
-        corrupted the heap with several in flight while the caller computed."""
-        coalescing_gloo = _CoalescingGloo(
-            dist.HashStore(), 0, 1, datetime.timedelta(seconds=60)
-        )
-        for backend, async_coalescing in ((_NCCL, True), (coalescing_gloo, False)):
-            group = _FakeGroup(2, backend)
-            caps = _get_comm_capabilities(group, torch.device("meta"))
-            self.assertEqual(
-                (caps.coalescing, caps.async_coalescing), (True, async_coalescing)
-            )
-            for async_op in (True, False):
-                work = _Work()
-                inputs = [torch.empty(2, device="meta") for _ in range(2)]
-                returned = _foreach_coalesced(
-                    lambda output, input: self.fail("expected one coalesced op"),
-                    lambda work=work: work,
-                    [torch.empty_like(t) for t in inputs],
-                    inputs,
-                    group,
-                    async_op,
-                )
-                in_flight = async_op and async_coalescing
-                msg = f"{backend.name()}, async_op={async_op}"
-                self.assertIs(returned, work if in_flight else None, msg=msg)
-                self.assertIs(work.waited, not in_flight, msg=msg)
-
-    def test_coalescing_follows_the_process_group(self):
-        """Tests that coalescing comes from the process group's c10d backend
-        for the device (``supports_coalescing``), not from its name: gloo's
-        c10d backend does not report it, and a group without a backend for
-        the device does not coalesce."""
+    def test_reduce_ops_follow_the_process_group(self):
+        """Tests that ``PREMUL_SUM`` comes from the process group's c10d
+        backend for the device (NCCL, XCCL and an out-of-tree backend have it;
+        gloo's and MPI's have not), and that a group without a backend for the
+        device is taken to have it, as FSDP always has."""
         meta = torch.device("meta")
         for backend, expected in (
             (_NCCL, True),
             (_XCCL, True),
-            (_TPU, False),
+            (_TPU, True),
             (_GLOO, False),
-            (None, False),
+            (_MPI, False),
+            (None, True),
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
-            self.assertIs(caps.coalescing, expected, msg=backend and backend.name())
+            self.assertIs(caps.premul_sum, expected, msg=backend and backend.name())
 
-    def test_registration_overrides_capabilities(self):
-        """Tests that a registration for the device type overrides exactly the
-        capabilities it sets, whatever the process group reports, and that
-        coalescing turned on for gloo still waits its coalesced ops at once."""
-        meta = torch.device("meta")
-        with _registered(
-            "meta", FSDPBackend(supports_coalescing=False, supports_avg=False)
-        ):
-            caps = _get_comm_capabilities(_FakeGroup(2, _NCCL), meta)
-        self.assertEqual(tuple(caps), (False, False, True, True))
-        with _registered("meta", FSDPBackend(supports_premul_sum=True)):
-            caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
-        self.assertEqual(tuple(caps), (False, True, True, False))
-        with _registered("meta", FSDPBackend(supports_coalescing=True)):
-            caps = _get_comm_capabilities(_FakeGroup(2, _GLOO), meta)
-        self.assertEqual(tuple(caps), (True, True, False, False))
-
-    def test_registration_applies_to_a_group_already_asked(self):
-        """Tests that registering, re-registering and unregistering a
-        backend for the device type change the capabilities of a process
-        group that FSDP has already asked about (only what the process group
-        reports is cached)."""
-        meta = torch.device("meta")
-        group = _FakeGroup(2, _NCCL)
-        self.assertEqual(
-            tuple(_get_comm_capabilities(group, meta)), (True, True, True, True)
-        )
-        with _registered("meta", FSDPBackend(supports_coalescing=False)):
-            self.assertEqual(
-                tuple(_get_comm_capabilities(group, meta)), (False, True, True, True)
-            )
-            register_fsdp_backend(
-                "meta", FSDPBackend(supports_premul_sum=False), override=True
-            )
-            self.assertEqual(
-                tuple(_get_comm_capabilities(group, meta)), (True, True, False, True)
-            )
-        self.assertEqual(
-            tuple(_get_comm_capabilities(group, meta)), (True, True, True, True)
-        )
-        self.assertEqual(group.backend_queries, 1)
-
-    def test_reduce_ops_follow_the_process_group(self):
-        """Tests that ``PREMUL_SUM`` comes from the process group's c10d
-        backend for the device, not from its name (NCCL, XCCL and an
-        out-of-tree backend have it; gloo's c10d backend has not), that a
-        group without a backend for the device is taken to have it, as FSDP
-        always has, and that ``AVG`` is assumed, the same on any device type."""
-        meta = torch.device("meta")
-        for backend, expected in (
-            (_NCCL, (True, True)),
-            (_XCCL, (True, True)),
-            (_TPU, (True, True)),
-            (_GLOO, (True, False)),
-            (None, (True, True)),
-        ):
-            caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
-            self.assertEqual(
-                (caps.avg, caps.premul_sum), expected, msg=backend and backend.name()
-            )
-
-    def test_divide_factor_follows_the_process_group(self):
-        """Tests that a divide factor reduces with ``PREMUL_SUM`` on NCCL, XCCL
-        and out-of-tree groups and with ``SUM`` plus FSDP's own divides on a
-        gloo group, with no registration, and on a real (fake) c10d process
-        group; also on a 1-rank gloo mesh, where the reduce-scatter runs as
-        well, and with HSDP for a factor other than the data-parallel size."""
+    def test_divide_factor_follows_the_capabilities(self):
+        """Tests that a divide factor reduces with ``PREMUL_SUM`` where the
+        group has it and with ``SUM`` plus FSDP's own divides where it has
+        not, also on a 1-rank mesh, where the reduce-scatter runs as well, and
+        with HSDP for a factor other than the data-parallel size; and that
+        without capabilities (a caller that passes none) the ops are
+        upstream's."""
         for backend in (_NCCL, _XCCL, _TPU, None):
+            group = _FakeGroup(4, backend)
             op = _get_gradient_divide_factors(
-                _FakeGroup(4, backend), None, torch.float32, "meta", 3.0
+                group,
+                None,
+                torch.float32,
+                "meta",
+                3.0,
+                comm_capabilities=_get_comm_capabilities(group, torch.device("meta")),
             )[2]
             self.assertNotEqual(op, dist.ReduceOp.SUM, msg=backend and backend.name())
+        no_premul_sum = _CommCapabilities(premul_sum=False)
         factors = _get_gradient_divide_factors(
-            _FakeGroup(4, _GLOO), None, torch.float32, "meta", 3.0
+            _FakeGroup(4),
+            None,
+            torch.float32,
+            "meta",
+            3.0,
+            comm_capabilities=no_premul_sum,
         )
         self.assertEqual(factors[2], dist.ReduceOp.SUM)
         self.assertEqual(factors[1], 3.0)
+        self.assertEqual(
+            _get_gradient_divide_factors(
+                _FakeGroup(4), None, torch.float32, "meta", 3.0, True
+            ),
+            factors,
+        )
         factors = _get_gradient_divide_factors(
-            _FakeGroup(1, _GLOO), None, torch.float32, "meta", 2.0
+            _FakeGroup(1),
+            None,
+            torch.float32,
+            "meta",
+            2.0,
+            comm_capabilities=no_premul_sum,
         )
         self.assertEqual(factors[:3], (None, 2.0, dist.ReduceOp.SUM))
         # HSDP: the factor is compared with the data-parallel size (4 here),
         # so a factor equal to the shard size still needs PREMUL_SUM
         for factor in (2.0, 3.0):
             factors = _get_gradient_divide_factors(
-                _FakeGroup(2, _GLOO),
-                _FakeGroup(2, _GLOO),
+                _FakeGroup(2),
+                _FakeGroup(2),
                 torch.float32,
                 "meta",
                 factor,
+                comm_capabilities=no_premul_sum,
             )
             self.assertEqual(
                 factors, (None, factor, dist.ReduceOp.SUM, dist.ReduceOp.SUM)
             )
+        # The world size as factor is AVG, which needs no PREMUL_SUM
+        factors = _get_gradient_divide_factors(
+            _FakeGroup(4),
+            None,
+            torch.float32,
+            "meta",
+            4.0,
+            comm_capabilities=no_premul_sum,
+        )
+        self.assertEqual(factors, (None, None, dist.ReduceOp.AVG, dist.ReduceOp.AVG))
+        factors = _get_gradient_divide_factors(
+            _FakeGroup(4), None, torch.float32, "meta", 3.0
+        )
+        self.assertNotEqual(factors[2], dist.ReduceOp.SUM)
+
+    def test_capabilities_read_once_per_param_group(self):
+        """Tests that FSDP reads a group's capabilities once per parameter
+        group, at lazy init, however many gradient reductions follow, from
+        the group's c10d backend (the fake process group's has
+        ``PREMUL_SUM``)."""
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
         try:
-            group = dist.group.WORLD
-            caps = _get_comm_capabilities(group, device_type)
-            self.assertEqual((caps.avg, caps.premul_sum), (True, True))
-            factors = _get_gradient_divide_factors(
-                group, None, torch.float32, device_type.type, 3.0
+            torch.manual_seed(42)
+            model = nn.Sequential(MLP(8, device_type), MLP(8, device_type))
+            for mlp in model:
+                fully_shard(mlp)
+            fully_shard(model)
+            model.set_gradient_divide_factor(3.0)
+            # One parameter group per ``fully_shard`` call with parameters
+            num_param_groups = sum(
+                module._get_fsdp_state()._fsdp_param_group is not None
+                for module in model.modules()
+                if hasattr(module, "_get_fsdp_state")
             )
-            self.assertNotEqual(factors[2], dist.ReduceOp.SUM)
+            with mock.patch.object(
+                _fsdp_param_group,
+                "_get_comm_capabilities",
+                wraps=_get_comm_capabilities,
+            ) as get_capabilities:
+                for _ in range(3):
+                    model(torch.randn(2, 8, device=device_type)).sum().backward()
+            self.assertEqual(get_capabilities.call_count, num_param_groups)
+            for module in model.modules():
+                if hasattr(module, "_get_fsdp_state"):
+                    param_group = module._get_fsdp_state()._fsdp_param_group
+                    if param_group is not None:
+                        self.assertEqual(
+                            param_group._comm_capabilities,
+                            _CommCapabilities(premul_sum=True),
+                        )
         finally:
             dist.destroy_process_group()
 
@@ -493,6 +359,54 @@ class TestFullyShardBackendDefaults(TestCase):
     def tearDown(self):
         dist.destroy_process_group()
         super().tearDown()
+
+    def test_registration_sets_capabilities_at_lazy_init(self):
+        """Tests that what a registration for the device type declares
+        overrides what the process group reports (the fake process group: no
+        coalescing), in each parameter group's capabilities read at lazy init,
+        and that a registration after lazy init leaves them alone."""
+        from_group = _CommCapabilities(premul_sum=True, coalescing=False)
+        for backend, expected in (
+            (FSDPBackend(), from_group),
+            (
+                FSDPBackend(
+                    supports_premul_sum=False,
+                    supports_avg=False,
+                    supports_coalescing=True,
+                ),
+                _CommCapabilities(premul_sum=False, coalescing=True, avg=False),
+            ),
+        ):
+            with _registered(device_type.type, backend):
+                torch.manual_seed(42)
+                model = fully_shard(MLP(8, device_type))
+                model(torch.randn(2, 8, device=device_type)).sum().backward()
+            self.assertEqual(
+                model._get_fsdp_state()._fsdp_param_group._comm_capabilities,
+                expected,
+                msg=str(backend),
+            )
+        with _registered(device_type.type, FSDPBackend(supports_avg=False)):
+            model(torch.randn(2, 8, device=device_type)).sum().backward()
+        self.assertEqual(
+            model._get_fsdp_state()._fsdp_param_group._comm_capabilities, expected
+        )
+
+    def test_missing_avg_selects_force_sum(self):
+        """Tests that without AVG the ops and factors are exactly those of
+        ``set_force_sum_reduction_for_comms(True)``."""
+        pg = _FakeGroup(4, _NCCL)
+        self.assertEqual(
+            _get_gradient_divide_factors(
+                pg,
+                None,
+                torch.float32,
+                "meta",
+                None,
+                comm_capabilities=_CommCapabilities(avg=False),
+            ),
+            _get_gradient_divide_factors(pg, None, torch.float32, "meta", None, True),
+        )
 
     def test_group_collectives_resolves_from_backend(self):
         """Tests that ``group_collectives=None`` takes the backend's default,
@@ -740,6 +654,116 @@ def _per_param_two_blocks_with_foreach_comms() -> list[
                 group.group_collectives = False
     model(torch.randn(4, 8, device=device_type)).sum().backward()
     return comms
+
+
+class _CallOverridingAllGather(DefaultAllGather):
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _ForeachOverridingReduceScatter(DefaultReduceScatter):
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        return super().foreach(output_tensors, input_tensors, group, op, async_op)
+
+
+class TestFullyShardBackendCoalescing(TestCase):
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def _foreach(self, comm, dtypes, caps, async_op=False):
+        """Runs ``comm.foreach`` through FSDP's coalescing on the fake process
+        group; returns the work and how many coalesced ops were issued."""
+        group = dist.group.WORLD
+        inputs = [torch.ones(2, dtype=dtype, device=device_type) for dtype in dtypes]
+        outputs = [torch.empty(4, dtype=t.dtype, device=device_type) for t in inputs]
+        if isinstance(comm, ReduceScatter):
+            inputs, outputs = outputs, inputs
+
+            def foreach(async_op):
+                return comm.foreach(outputs, inputs, group, dist.ReduceOp.SUM, async_op)
+
+        else:
+
+            def foreach(async_op):
+                return comm.foreach(outputs, inputs, group, async_op)
+
+        with mock.patch.object(
+            dist.distributed_c10d,
+            "_coalescing_manager",
+            wraps=dist.distributed_c10d._coalescing_manager,
+        ) as manager:
+            work = _foreach_coalesced_if_supported(
+                comm, foreach, inputs, group, async_op, caps
+            )
+        return work, manager.call_count
+
+    def test_coalescing_follows_the_process_group(self):
+        """Tests that coalescing comes from the process group's c10d backend
+        for the device (``supports_coalescing``; gloo's does not report it), and
+        that a coalesced op may stay in flight except on gloo, whose coalesced
+        ops corrupted the heap with several in flight."""
+        meta = torch.device("meta")
+        for backend, expected in (
+            (_NCCL, (True, True)),
+            (_XCCL, (True, True)),
+            (_TPU, (False, True)),
+            (_GLOO, (False, False)),
+            (None, (False, True)),
+        ):
+            caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
+            self.assertEqual(
+                (caps.coalescing, caps.async_coalescing),
+                expected,
+                msg=backend and backend.name(),
+            )
+
+    def test_default_comms_coalesce_where_supported(self):
+        """Tests that FSDP's own comms issue a group's pairs of one dtype as
+        one coalesced op through c10d's coalescing manager where the process
+        group coalesces, and one by one otherwise: without coalescing, for
+        several dtypes, for a single pair, and for a comm that overrides
+        ``__call__`` or ``foreach`` (its own code runs)."""
+        fp32, bf16 = torch.float32, torch.bfloat16
+        coalescing = _CommCapabilities(coalescing=True)
+        for comm, dtypes, caps, expected in (
+            (DefaultAllGather(), (fp32, fp32), coalescing, 1),
+            (DefaultReduceScatter(), (fp32, fp32), coalescing, 1),
+            (ProcessGroupAllocAllGather(dist.group.WORLD), (fp32, fp32), coalescing, 1),
+            (DefaultAllGather(), (fp32, fp32), _CommCapabilities(), 0),
+            (DefaultAllGather(), (bf16, fp32), coalescing, 0),
+            (DefaultAllGather(), (fp32,), coalescing, 0),
+            (_CallOverridingAllGather(), (fp32, fp32), coalescing, 0),
+            (_ForeachOverridingReduceScatter(), (fp32, fp32), coalescing, 0),
+        ):
+            with self.subTest(comm=type(comm).__name__, dtypes=dtypes, caps=caps):
+                work, num_coalesced = self._foreach(comm, dtypes, caps)
+                self.assertEqual(num_coalesced, expected)
+                self.assertIsNone(work)
+
+    def test_coalesced_op_in_flight_only_where_allowed(self):
+        """Tests that a coalesced op is returned in flight for ``async_op``
+        and waited before returning where the process group does not allow
+        it (gloo)."""
+        fp32 = torch.float32
+        for async_coalescing, async_op in (
+            (True, True),
+            (True, False),
+            (False, True),
+        ):
+            caps = _CommCapabilities(coalescing=True, async_coalescing=async_coalescing)
+            work, num_coalesced = self._foreach(
+                DefaultAllGather(), (fp32, fp32), caps, async_op
+            )
+            self.assertEqual(num_coalesced, 1)
+            in_flight = async_op and async_coalescing
+            self.assertEqual(
+                work is not None, in_flight, msg=f"{async_coalescing=}, {async_op=}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,20 +1,33 @@
 # Owner(s): ["oncall: distributed"]
 
 import copy
+import importlib.metadata
 import inspect
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread, get_devtype
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext import (
+    FSDPBackend,
+    register_fsdp_backend,
+    unregister_fsdp_backend,
+)
+from torch_fsdp_ext._fully_shard._fsdp_collectives import _CommCapabilities
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     _get_gradient_divide_factors,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
 )
 
 device_type = torch.device(get_devtype())
@@ -108,7 +121,10 @@ class TestFullyShardCollectiveTrace(TestCase):
         dist.destroy_process_group()
         super().tearDown()
 
-    def _trace(self, mesh_shape: tuple[int, ...] = (4,), **kwargs) -> str:
+    def _trace(
+        self, mesh_shape: tuple[int, ...] = (4,), lazy_init: bool = False, **kwargs
+    ) -> str:
+        """The trace of one training step; with ``lazy_init``, of the first."""
         torch.manual_seed(42)
         model = nn.Sequential(MLP(8), MLP(8))
         mesh = init_device_mesh(
@@ -124,7 +140,8 @@ class TestFullyShardCollectiveTrace(TestCase):
                 module.set_gradient_divide_factor(divide_factor)
             module.set_force_sum_reduction_for_comms(force_sum)
         inp = torch.randn(4, 8, device=device_type)
-        model(inp).sum().backward()  # lazy init outside of the recording
+        if not lazy_init:
+            model(inp).sum().backward()  # lazy init outside of the recording
         with _CollectiveRecorder() as recorder:
             model(inp).sum().backward()
         return "\n".join(recorder.collectives)
@@ -254,6 +271,148 @@ mtia 3.0: None 3.0 SUM SUM
 privateuseone None: None None AVG AVG
 privateuseone 3.0: None None PREMUL_SUM SUM""",
         )
+
+
+class TestFullyShardGroupedSurface(TestCase):
+    """Pins what grouped FSDP does around its collectives: no collective added
+    by a debug setting, no third-party code loaded, how it calls
+    ``shard_placement_fn`` and groups parameters, and which custom comms may
+    be set."""
+
+    world_size = 4
+
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group(
+            "fake", store=FakeStore(), rank=0, world_size=self.world_size
+        )
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def test_no_collective_added_by_debug_level(self):
+        """Tests that the first training step, lazy init included, issues the
+        same collectives with ``TORCH_DISTRIBUTED_DEBUG`` at ``INFO`` and
+        ``DETAIL`` as with it off."""
+        trace = TestFullyShardCollectiveTrace._trace
+        expected = trace(self, lazy_init=True)
+        previous = dist.get_debug_level()
+        for level in (dist.DebugLevel.INFO, dist.DebugLevel.DETAIL):
+            dist.set_debug_level(level)
+            try:
+                self.assertEqual(trace(self, lazy_init=True), expected, msg=str(level))
+            finally:
+                dist.set_debug_level(previous)
+
+    def test_no_entry_points_loaded(self):
+        """Tests that sharding and training, and choosing the reduce ops of
+        CPU, CUDA and MTIA, load no package entry points (no third-party
+        code runs in ``fully_shard``)."""
+        with mock.patch.object(
+            importlib.metadata, "entry_points", wraps=importlib.metadata.entry_points
+        ) as entry_points:
+            TestFullyShardCollectiveTrace._trace(self, lazy_init=True)
+            group = dist.distributed_c10d._get_default_group()
+            for device in ("cpu", "cuda", "mtia"):
+                _get_gradient_divide_factors(group, None, torch.float32, device, 3.0)
+        self.assertEqual(entry_points.call_count, 0)
+
+    def test_shard_placement_fn_calls_and_param_group(self):
+        """Tests how often ``shard_placement_fn`` is called, with which
+        parameters, and that the parameters form one group in order."""
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
+        torch.manual_seed(42)
+        model = MLP(8)
+        names = {param: name for name, param in model.named_parameters()}
+        calls = []
+
+        def shard_placement_fn(param):
+            calls.append(names[param])
+            return Shard(0) if param.ndim == 1 else None
+
+        fully_shard(model, mesh=mesh, shard_placement_fn=shard_placement_fn)
+        group = model._get_fsdp_state()._fsdp_param_group
+        self.assertExpectedInline(
+            "\n".join(calls),
+            """\
+in_proj.weight
+in_proj.bias
+out_proj.weight
+out_proj.bias""",
+        )
+        self.assertEqual(
+            [fsdp_param._module_info.param_name for fsdp_param in group.fsdp_params],
+            ["weight", "bias", "weight", "bias"],
+        )
+
+    def test_custom_comms_on_a_module(self):
+        """Tests that the custom comm setters take any comm, one bound to
+        another process group included."""
+        mesh = init_device_mesh(device_type.type, (self.world_size,))
+        sub_mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("replicate", "shard")
+        )["shard"]
+        for all_gather, reduce_scatter in (
+            (DefaultAllGather(), DefaultReduceScatter()),
+            (
+                ProcessGroupAllocAllGather(mesh.get_group()),
+                ProcessGroupAllocReduceScatter(mesh.get_group()),
+            ),
+            (
+                ProcessGroupAllocAllGather(sub_mesh.get_group()),
+                ProcessGroupAllocReduceScatter(sub_mesh.get_group()),
+            ),
+        ):
+            model = fully_shard(MLP(8), mesh=mesh)
+            model.set_custom_all_gather(all_gather)
+            model.set_custom_reduce_scatter(reduce_scatter)
+            param_group = model._get_fsdp_state()._fsdp_param_group
+            self.assertIs(param_group._all_gather_comm, all_gather)
+            self.assertIs(param_group._reduce_scatter_comm, reduce_scatter)
+
+
+class TestFullyShardGroupedSurfaceWithRegistry(TestCase):
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def test_mtia_reduces_with_sum_after_registry_calls(self):
+        """Tests that MTIA reduces with ``SUM``, with FSDP's own divides,
+        whatever an FSDP backend registered for it declares and after it is
+        unregistered."""
+        group = dist.distributed_c10d._get_default_group()
+
+        def reduce_ops() -> list[tuple]:
+            ops = []
+            for factor in (None, 3.0):
+                pre, post, rs_op, ar_op = _get_gradient_divide_factors(
+                    group,
+                    None,
+                    torch.float32,
+                    "mtia",
+                    factor,
+                    comm_capabilities=_CommCapabilities(),
+                )
+                ops.append((pre, post, _reduce_op_name(rs_op), _reduce_op_name(ar_op)))
+            return ops
+
+        expected = [(None, 4.0, "SUM", "SUM"), (None, 3.0, "SUM", "SUM")]
+        self.assertEqual(reduce_ops(), expected)
+        register_fsdp_backend(
+            "mtia",
+            FSDPBackend(supports_avg=True, supports_premul_sum=True),
+            override=True,
+        )
+        try:
+            self.assertEqual(reduce_ops(), expected)
+        finally:
+            unregister_fsdp_backend("mtia")
+        self.assertEqual(reduce_ops(), expected)
 
 
 class TestFullyShardCollectiveBits(FSDPTestMultiThread):
