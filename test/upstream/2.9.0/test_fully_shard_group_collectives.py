@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch_fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
+    _opts_in,
     DefaultAllGather,
     DefaultReduceScatter,
 )
@@ -60,38 +61,15 @@ class _PairRecordingReduceScatter(ReduceScatter):
         self.pairs.append((output_tensor, input_tensor))
 
 
-class _OwnMemoryAllGather(DefaultAllGather):
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _OwnMemoryOptedInAllGather(_OwnMemoryAllGather):
-    accepts_parameter_output = True
-
-
-class _OwnMemory:
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _OwnMemoryReduceScatter(_OwnMemory, DefaultReduceScatter):
-    pass
-
-
 class TestFullyShardGroupCollectivesCommAPI(TestCase):
-    def test_own_tensors_opt_in_holds_above_allocate(self):
+    def test_own_tensors_opt_in_is_off_by_default(self):
         """Tests that receiving FSDP's own tensors instead of ``allocate``'s is
-        opt-in (off on the interfaces, on for the default comms) and holds for
-        subclasses only while they do not override ``allocate``, unless the
-        subclass opts in again itself."""
+        opt-in: off on the interfaces, on for the default comms."""
         for comm_cls, flag, accepts in (
             (AllGather, "accepts_parameter_output", False),
             (ReduceScatter, "accepts_gradient_input", False),
             (DefaultAllGather, "accepts_parameter_output", True),
             (DefaultReduceScatter, "accepts_gradient_input", True),
-            (_OwnMemoryAllGather, "accepts_parameter_output", False),
-            (_OwnMemoryOptedInAllGather, "accepts_parameter_output", True),
-            (_OwnMemoryReduceScatter, "accepts_gradient_input", False),
         ):
             with self.subTest(comm=comm_cls.__name__):
                 self.assertIs(getattr(comm_cls, flag), accepts)
@@ -226,6 +204,100 @@ def _two_block_model(group_collectives: bool = True, **kwargs) -> nn.Module:
     fully_shard(model, **kwargs)
     _set_group_collectives(model, group_collectives)
     return model
+
+
+class _OwnMemoryAllGather(DefaultAllGather):
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryOptedInAllGather(_OwnMemoryAllGather):
+    accepts_parameter_output = True
+
+
+class _OwnMemory:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _OwnMemoryReduceScatter(_OwnMemory, DefaultReduceScatter):
+    pass
+
+
+class TestFullyShardGroupCollectivesOwnTensors(TestCase):
+    def test_own_tensors_opt_in_holds_above_allocate(self):
+        """Tests that FSDP takes a comm's opt-in to receiving its own tensors
+        instead of ``allocate``'s for subclasses only while they do not
+        override ``allocate``, unless the subclass opts in again itself, or the
+        instance sets it. FSDP decides where it uses the comm; the classes keep
+        the flags as they set them."""
+        for comm_cls, flag, accepts in (
+            (_PairRecordingAllGather, "accepts_parameter_output", False),
+            (_PairRecordingReduceScatter, "accepts_gradient_input", False),
+            (DefaultAllGather, "accepts_parameter_output", True),
+            (DefaultReduceScatter, "accepts_gradient_input", True),
+            (_OwnMemoryAllGather, "accepts_parameter_output", False),
+            (_OwnMemoryOptedInAllGather, "accepts_parameter_output", True),
+            (_OwnMemoryReduceScatter, "accepts_gradient_input", False),
+        ):
+            with self.subTest(comm=comm_cls.__name__):
+                self.assertIs(_opts_in(comm_cls(), flag), accepts)
+        # No class is rewritten: the subclass that overrides ``allocate`` still
+        # inherits the flag, and FSDP disregards it
+        self.assertIs(_OwnMemoryAllGather.accepts_parameter_output, True)
+        for comm, accepts in (
+            (_OwnMemoryAllGather(), True),
+            (DefaultAllGather(), False),
+        ):
+            comm.accepts_parameter_output = accepts
+            self.assertIs(_opts_in(comm, "accepts_parameter_output"), accepts)
+
+
+class TestFullyShardGroupCollectivesUserGradients(_ParityTestCase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_kept_gradient_unchanged(self):
+        """Tests that per-parameter reduce-scatters leave a gradient that the
+        user keeps (here from a post-accumulate-grad hook on the unsharded
+        parameter) as autograd computed it, also where FSDP divides the
+        reduce-scatter input in place before the reduction (an fp16 reduce
+        dtype), as grouped mode divides only its own buffer; and that the
+        reduced gradients are bitwise grouped mode's."""
+        for mp_policy in (
+            MixedPrecisionPolicy(),
+            MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16),
+        ):
+            with self.subTest(mp_policy=mp_policy):
+                self._test_kept_gradient_unchanged(mp_policy)
+
+    def _test_kept_gradient_unchanged(self, mp_policy: MixedPrecisionPolicy):
+        models = _copies_of_two_block_model(8, [False, True], mp_policy=mp_policy)
+        torch.manual_seed(42 + self.rank)
+        inp = torch.randn(4, 8, device=device_type)
+        for model in models:
+            model(inp).sum().backward()  # lazy init
+            model.zero_grad()
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def keep(param: torch.Tensor) -> None:
+            kept.append((param.grad, param.grad.detach().clone()))
+
+        for block in models[0]:
+            for fsdp_param in _groups(block)[0].fsdp_params:
+                fsdp_param.unsharded_param.register_post_accumulate_grad_hook(keep)
+        for model in models:
+            model(inp).sum().backward()
+        self.assertEqual(len(kept), 8)
+        for grad, as_computed in kept:
+            self.assertTrue(torch.equal(grad, as_computed))
+        for param, ref_param in zip(
+            models[0].parameters(), models[1].parameters(), strict=True
+        ):
+            self.assertTrue(
+                torch.equal(param.grad.to_local(), ref_param.grad.to_local())
+            )
 
 
 class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
@@ -435,6 +507,102 @@ class TestFullyShardGroupCollectivesRepeatedBlock(_ParityTestCase):
             _set_group_collectives(model, group_collectives)
             models.append(model)
         _train_and_compare(self, models, 8)
+
+
+class _WorkList(dist.Work):
+    def __init__(self, works: list[dist.Work]):
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+class _BatchingAllGather(DefaultAllGather):
+    """Issues a group's all-gathers asynchronously and, for ``async_op``,
+    returns one work for all of them, as a backend that batches them may:
+    the all-gathers are in flight until the copy-out waits on it."""
+
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        work = _WorkList(
+            [
+                dist.all_gather_into_tensor(output, inp, group, async_op=True)
+                for output, inp in zip(output_tensors, input_tensors, strict=True)
+            ]
+        )
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+class TestFullyShardGroupCollectivesAsyncUnshard(_ParityTestCase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_unshard_async_op_matches_grouped(self):
+        """Tests that per-parameter ``unshard(async_op=True)`` gathers the same
+        bits as grouped mode and leaves the unsharded parameters' version
+        counters as they were before the unshard once waited on (autograd may
+        have saved the parameters), with the default comm and with one that
+        returns its all-gathers in flight."""
+        for comm_cls in (None, _BatchingAllGather):
+            with self.subTest(comm=getattr(comm_cls, "__name__", None)):
+                self._test_unshard_async_op_matches_grouped(comm_cls)
+
+    def _test_unshard_async_op_matches_grouped(self, comm_cls):
+        models = _copies_of_two_block_model(8, [False, True])
+        if comm_cls is not None:
+            for module in (*models[0], models[0]):
+                module.set_custom_all_gather(comm_cls())
+        torch.manual_seed(42 + self.rank)
+        inp = torch.randn(4, 8, device=device_type)
+        unsharded = []
+        for model in models:
+            model(inp).sum().backward()  # lazy init
+            for block in model:
+                fsdp_params = _groups(block)[0].fsdp_params
+                versions = [p.unsharded_param._version for p in fsdp_params]
+                handle = block.unshard(async_op=True)
+                handle.wait()
+                self.assertEqual(
+                    [p.unsharded_param._version for p in fsdp_params], versions
+                )
+                unsharded.append(
+                    [p.unsharded_param.detach().clone() for p in fsdp_params]
+                )
+                block.reshard()
+        num_blocks = len(models[0])
+        for params, ref_params in zip(
+            unsharded[:num_blocks], unsharded[num_blocks:], strict=True
+        ):
+            for param, ref_param in zip(params, ref_params, strict=True):
+                self.assertTrue(torch.equal(param, ref_param))
+
+    def test_set_unshard_async_op_matches_grouped(self):
+        """Tests that with ``_set_unshard_async_op(True)`` per-parameter
+        all-gathers train bitwise as grouped ones, with the default comm and
+        with one that returns its all-gathers in flight. Resharding after
+        forward, backward all-gathers again into the parameters that autograd
+        saved in forward, so their version counters must not change."""
+        for comm_cls in (None, _BatchingAllGather):
+            for reshard_after_forward in (True, False):
+                with self.subTest(
+                    comm=getattr(comm_cls, "__name__", None),
+                    reshard_after_forward=reshard_after_forward,
+                ):
+                    models = _copies_of_two_block_model(
+                        8, [False, True], reshard_after_forward=reshard_after_forward
+                    )
+                    for model in models:
+                        model._set_unshard_async_op(True)
+                    if comm_cls is not None:
+                        for module in (*models[0], models[0]):
+                            module.set_custom_all_gather(comm_cls())
+                    _train_and_compare(self, models, 8)
 
 
 class TestFullyShardGroupCollectivesParity(_ParityTestCase):
