@@ -360,9 +360,11 @@ def set_deterministic_reduce_scatter(model: nn.Module) -> None:
     meshes it serves each parameter group on that group's mesh."""
     for module in model.modules():
         if isinstance(module, torch_fsdp_ext.FSDPModule):
-            module.set_custom_reduce_scatter(
-                torch_fsdp_ext.DeterministicReduceScatter(), all_param_groups=True
-            )
+            # Several param groups (per-parameter meshes, which torch 2.9's
+            # series lacks) take the comm only with the opt-in
+            groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", ())
+            kwargs = {"all_param_groups": True} if len(groups) > 1 else {}
+            module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter(), **kwargs)
 
 
 class FSDPCollectiveTrace(CommRecorder):
