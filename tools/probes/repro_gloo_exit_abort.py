@@ -6,7 +6,8 @@ Each run is a fresh 2-rank gloo job. The FSDP scenarios are those of
 ``test/fsdp_ext_testing/exit_scenarios.py`` (3 MLP blocks, async unshard):
 ``sequential`` (a grouped model, then a per-parameter one), ``switch`` (one
 model, ``set_group_collectives`` True, False, True, False), ``grouped``,
-``per-param``. ``c10d`` uses no FSDP: a tensor hook reduce-scatters the
+``per-param``, ``upstream`` (torch's own ``fully_shard``, grouped). ``c10d``
+uses no FSDP: a tensor hook reduce-scatters the
 gradient during backward (synchronously, as FSDP's post-backward does), the
 process group stays referenced, then ``destroy_process_group`` and exit; it is
 the reproduction in docs/upstream-gloo-exit-abort.md. ``--c10d-outside`` issues
@@ -18,20 +19,21 @@ thread to block or be preempted; ``--sleep`` waits before
 The mechanism (docs/upstream-gloo-exit-abort.md): backward stashes a Python
 object in thread-local state (``torch.autograd.graph._engine_run_backward``),
 every c10d work created meanwhile captures it, and gloo's worker thread drops
-its reference to a finished work only after completing it; when that is the
-last reference and the interpreter is finalizing, the decref takes the GIL,
+its references to a work only after completing it; when that is the last
+reference and the interpreter is finalizing, the decref takes the GIL,
 ``pthread_exit`` unwinds through a destructor, and ``std::terminate`` aborts.
 A core dump of an aborted FSDP rank showed the work: an ``AsyncAllreduceWork``
 (gloo's reduce-scatter) with sequence number 135, the process's last
 collective, completed and waited.
 
-Measured, 2 cores shared with other jobs, torch 2.15.0, before FSDP issued its
-per-parameter collectives without that object: ``sequential`` 2 of 20
-aborted, ``per-param`` 0 of 40 (twice a model), ``grouped`` 0 of 40, a
-per-parameter then a grouped model 0 of 40; ``c10d --pin`` 8 of 10 and 7 of
-10, ``c10d`` 2 of 10, ``c10d --pin --c10d-outside`` 0 of 10, ``c10d --pin
---sleep 1`` 0 of 10. The stress counts with and without the fix are in
-docs/upstream-gloo-exit-abort.md.
+This probe used to call ``time.sleep(0)`` before ``destroy_process_group``,
+which yields the CPU to gloo's worker and hid most aborts (then: grouped then
+per-parameter 2 of 20, one mode 0 of 40). Without it, ``--pin``, 10 runs each
+(torch 2.15.0, 2 cores shared with other jobs), before per-parameter
+collectives were issued without the object: ``per-param`` 8, ``grouped`` 4,
+``sequential`` 8, ``switch`` 9, ``upstream`` 5, ``c10d`` 8; ``c10d`` unpinned
+1, ``c10d --c10d-outside`` 0, ``c10d --sleep 1`` 0. After: ``per-param``,
+``sequential``, ``switch`` 0, ``grouped`` 3 (upstream's grouped mode).
 
 Example::
 
