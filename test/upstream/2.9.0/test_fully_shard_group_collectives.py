@@ -6,6 +6,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo import compiled_autograd
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.testing._internal.common_fsdp import (
@@ -368,6 +369,31 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
             ],
         )
         self.assertEqual(recorder.copies, Counter())
+
+    def test_all_gather_per_param_recreates_outputs_under_compiled_autograd(self):
+        """Tests that with compiled autograd on, every all-gather builds new
+        all-gather outputs in both modes (grouped's ``force_recreate``), so that
+        under compile they are created inside the graph instead of captured
+        from an earlier eager step."""
+        for group_collectives in (True, False):
+            with self.subTest(group_collectives=group_collectives):
+                model = _two_block_model(group_collectives=group_collectives)
+                inp = torch.randn(4, 8, device=device_type)
+                model(inp).sum().backward()  # eager: the outputs are kept
+                fsdp_params = model[0]._get_fsdp_state()._fsdp_param_group.fsdp_params
+                eager_outputs = [p.all_gather_outputs[0] for p in fsdp_params]
+                outputs: list[torch.Tensor] = []
+                handle = model[0].in_proj.register_forward_pre_hook(
+                    lambda *_: outputs.extend(
+                        p.all_gather_outputs[0] for p in fsdp_params
+                    )
+                )
+                with compiled_autograd._enable(lambda gm: gm), torch.no_grad():
+                    model(inp)
+                handle.remove()
+                self.assertEqual(len(outputs), len(eager_outputs))
+                for output, eager_output in zip(outputs, eager_outputs):
+                    self.assertIsNot(output, eager_output)
 
     def test_all_gather_per_param_casts_per_param(self):
         """Tests that with ``param_dtype`` each parameter is cast by itself
