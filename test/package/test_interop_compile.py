@@ -1,5 +1,6 @@
 """``torch.compile`` per block (inductor, CPU) with the vendored FSDP2: parity with
-upstream under compile, and Dynamo graph breaks no worse than upstream's.
+upstream under compile, and Dynamo graph breaks no worse than upstream's; and
+the whole model under compiled autograd (aot_eager), both modes bitwise upstream.
 
 Run: ``python -m pytest test/package/test_interop_compile.py``.
 """
@@ -11,7 +12,9 @@ import os
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.compiled_autograd as compiled_autograd
 import torch._dynamo.trace_rules as trace_rules
+import torch._functorch.config
 import torch._inductor.config
 import torch.distributed.fsdp._fully_shard._fsdp_state as upstream_state
 from common_fsdp_ext import (
@@ -25,6 +28,7 @@ from common_fsdp_ext import (
 )
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
@@ -128,6 +132,53 @@ class TestFullyShardCompile(FSDPExtTestMultiProcess, ParityMixin):
         )
         # No graph breaks or recompiles-with-breaks after the first step either
         self.assertEqual(sum(counters["graph_break"].values()), breaks + ref_breaks)
+
+
+@pytest.mark.slow
+class TestFullyShardCompiledAutograd(FSDPExtTestMultiProcess, ParityMixin):
+    def test_compiled_autograd_per_param_matches_grouped_and_upstream(self):
+        """Tests that with the whole model compiled (aot_eager) and backward
+        under compiled autograd, per-parameter and grouped collectives train to
+        the same bits (losses and parameters, 3 SGD steps), and to upstream
+        FSDP2's. On torch 2.9, FSDP's hooks are traced (``skip_fsdp_hooks=False``,
+        its compiled-autograd FSDP2) and per-parameter all-gather outputs are
+        recreated per all-gather as grouped ones are; torch 2.9's own FSDP2
+        traces its CUDA streams there and cannot run on CPU, so grouped mode is
+        the reference."""
+        traces_fsdp_hooks = hasattr(torch._dynamo.config, "skip_fsdp_hooks")  # torch 2.9
+        if traces_fsdp_hooks:
+            self.enterContext(torch._dynamo.config.patch(skip_fsdp_hooks=False))
+        self.enterContext(torch._functorch.config.patch(recompute_views=True))
+        runs = [self._train_compiled(EXT, {"group_collectives": gc}) for gc in (True, False)]
+        if not traces_fsdp_hooks:
+            runs.append(self._train_compiled(UPSTREAM, {}))
+        for run in runs[1:]:
+            for tensor, ref_tensor in zip(run, runs[0], strict=True):
+                self.assertTrue(torch.equal(tensor, ref_tensor))
+
+    def _train_compiled(self, impl, fsdp_kwargs: dict) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 8)
+        ).to(self.device)
+        for module in (model[0], model[2], model[3], model):
+            impl.fully_shard(module, **fsdp_kwargs)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled_model = torch.compile(model, backend="aot_eager")
+        losses = []
+        for step in range(3):
+            torch.manual_seed(100 + 10 * step + self.rank)
+            with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                loss = compiled_model(torch.randn(4, 8, device=self.device)).sum()
+                loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.detach())
+        # Compiled autograd leaves FSDP2's parameters unsharded after the last
+        # backward, upstream's as ours: compare what the module holds
+        params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        return losses + [p.detach().clone() for p in params]
 
 
 if __name__ == "__main__":
