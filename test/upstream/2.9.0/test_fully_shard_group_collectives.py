@@ -381,32 +381,39 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         captured from that step."""
         for group_collectives in (True, False):
             with self.subTest(group_collectives=group_collectives):
-                model = _two_block_model(group_collectives=group_collectives)
-                inp = torch.randn(4, 8, device=device_type)
-                model(inp).sum().backward()  # eager: the outputs are kept
-                fsdp_params = model[0]._get_fsdp_state()._fsdp_param_group.fsdp_params
-                eager_outputs = [p.all_gather_outputs[0] for p in fsdp_params]
-                outputs: list[torch.Tensor] = []
-                handle = model[0].in_proj.register_forward_pre_hook(
-                    lambda *_: outputs.extend(
-                        p.all_gather_outputs[0] for p in fsdp_params
-                    )
+                outputs, eager_outputs = self._all_gather_outputs_after_eager_step(
+                    group_collectives
                 )
-                # What the lazy init of a root that first runs under compiled
-                # autograd does (the flag is per process, e.g. set by another
-                # model's root)
-                with compiled_autograd._enable(lambda gm: gm):
-                    detect_compiled_autograd()
-                try:
-                    with torch.no_grad():
-                        model(inp)
-                finally:
-                    detect_compiled_autograd()
-                    handle.remove()
                 self.assertEqual(len(outputs), len(eager_outputs))
                 self.assertFalse(
                     any(o is e for o, e in zip(outputs, eager_outputs, strict=True))
                 )
+
+    def _all_gather_outputs_after_eager_step(
+        self, group_collectives: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Returns the first block's all-gather outputs of a forward run after
+        FSDP detected compiled autograd, and those an eager step left."""
+        model = _two_block_model(group_collectives=group_collectives)
+        inp = torch.randn(4, 8, device=device_type)
+        model(inp).sum().backward()  # eager: the outputs are kept
+        fsdp_params = model[0]._get_fsdp_state()._fsdp_param_group.fsdp_params
+        eager_outputs = [p.all_gather_outputs[0] for p in fsdp_params]
+        outputs: list[torch.Tensor] = []
+        handle = model[0].in_proj.register_forward_pre_hook(
+            lambda *_: outputs.extend(p.all_gather_outputs[0] for p in fsdp_params)
+        )
+        # What the lazy init of a root that first runs under compiled autograd
+        # does (the flag is per process, e.g. set by another model's root)
+        with compiled_autograd._enable(lambda gm: gm):
+            detect_compiled_autograd()
+        try:
+            with torch.no_grad():
+                model(inp)
+        finally:
+            detect_compiled_autograd()
+            handle.remove()
+        return outputs, eager_outputs
 
     def test_all_gather_per_param_casts_per_param(self):
         """Tests that with ``param_dtype`` each parameter is cast by itself
