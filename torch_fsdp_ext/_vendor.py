@@ -204,6 +204,33 @@ REWRITES: tuple[Rewrite, ...] = (
         "silently not offload; its MixedPrecisionPolicy becomes ours too",
         ("2.9.0",),
     ),
+    *(
+        Rewrite(
+            "_fsdp_param_group.py",
+            f"{decorator}\n    def {method}(",
+            f"{decorator}\n    @_outside_autograd_context\n    def {method}(",
+            1,
+            "c10d's exit abort (docs/upstream-gloo-exit-abort.md): both "
+            "collective modes issue their collectives without autograd's "
+            "stashed context, see _exit_guard.py",
+            _SINCE_2_14,
+        )
+        for decorator, method in (
+            ("    @_disable_functorch_if_active", "unshard"),
+            ("    @_dynamo_disable", "post_backward"),
+        )
+    ),
+    Rewrite(
+        "_fsdp_param_group.py",
+        "\nimport torch\n",
+        "\nimport torch\n"
+        f"from {PACKAGE}._exit_guard import (\n"
+        "    outside_autograd_context as _outside_autograd_context,\n"
+        ")\n",
+        1,
+        "the decorator of the rewrite above",
+        _SINCE_2_14,
+    ),
     Rewrite(
         "_fsdp_init.py",
         "    device_handle = _get_device_handle(mesh.device_type)\n",

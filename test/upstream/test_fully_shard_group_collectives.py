@@ -145,28 +145,6 @@ class _CommAndCopyRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _AutogradContextRecorder(TorchDispatchMode):
-    """Records each collective issued in backward and whether the Python object
-    that backward keeps in thread-local state (``"context"``) was there, which
-    every c10d work created meanwhile captures; and the same for the matmuls
-    of backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.collectives: list[tuple[str, bool]] = []
-        self.matmuls: list[bool] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch._C._current_graph_task_id() != -1:
-            name = func._schema.name.split("::")[1]
-            has_context = torch._C._is_key_in_tls("context")
-            if func.namespace == "c10d" and name in _COLLECTIVES:
-                self.collectives.append((_COLLECTIVES[name], has_context))
-            elif func.namespace == "aten" and name == "mm":
-                self.matmuls.append(has_context)
-        return func(*args, **(kwargs or {}))
-
-
 class _FakeProcessGroupTestCase(TestCase):
     """Single-process tests over the fake process group at world size 2:
     collectives do not move data, so every recorded op is FSDP's own."""
@@ -188,27 +166,6 @@ class _FakeProcessGroupTestCase(TestCase):
         with _CommAndCopyRecorder() as recorder:
             model(inp).sum().backward()
         return recorder
-
-    def _check_backward_autograd_context(
-        self, collective: str, counts: dict[bool, int]
-    ):
-        """Requires ``collective``'s backward collectives of a two-block step
-        (``counts[group_collectives]`` of them) to be issued with autograd's
-        thread-local object when grouped (upstream's) and without it per
-        parameter, and backward's matmuls to run with it in both modes."""
-        for group_collectives in (True, False):
-            with self.subTest(group_collectives=group_collectives):
-                model = _two_block_model(group_collectives=group_collectives)
-                inp = torch.randn(4, 8, device=device_type)
-                model(inp).sum().backward()  # lazy init outside of the recording
-                with _AutogradContextRecorder() as recorder:
-                    model(inp).sum().backward()
-                self.assertEqual(
-                    [c for c in recorder.collectives if c[0] == collective],
-                    [(collective, group_collectives)] * counts[group_collectives],
-                )
-                self.assertTrue(recorder.matmuls)
-                self.assertTrue(all(recorder.matmuls))
 
 
 class TestFullyShardGroupCollectivesInit(FSDPTestMultiThread):
@@ -411,15 +368,6 @@ class TestFullyShardGroupCollectivesReduceScatter(_FakeProcessGroupTestCase):
         self.assertNotIn("chunk_cat", recorder.copies)
         self.assertEqual(recorder.copies["copy_"], 4)
 
-    def test_reduce_scatter_per_param_without_autograd_context(self):
-        """Tests that per-parameter reduce-scatters are issued without the
-        Python object that backward keeps in thread-local state: every c10d
-        work captures it, and a backend thread that drops the last reference to
-        such a work while the interpreter finalizes aborts the process (gloo's
-        worker can, for the last collectives of a backward). Grouped ones are
-        issued with it, as upstream issues them."""
-        self._check_backward_autograd_context("reduce_scatter", {True: 2, False: 8})
-
     def test_grouped_reduce_scatter_uses_chunk_cat(self):
         """Tests that grouped mode (the default) keeps one copy-in
         (``fsdp::chunk_cat_mixed_dtype``) and one reduce-scatter per group."""
@@ -453,13 +401,6 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
             ],
         )
         self.assertEqual(recorder.copies, Counter())
-
-    def test_all_gather_per_param_without_autograd_context(self):
-        """Tests that per-parameter all-gathers in backward (the unshard before
-        the last block's backward and the prefetch of the first) are issued
-        without the Python object that backward keeps in thread-local state,
-        as per-parameter reduce-scatters are; grouped ones with it."""
-        self._check_backward_autograd_context("all_gather", {True: 2, False: 8})
 
     def test_all_gather_per_param_casts_per_param(self):
         """Tests that with ``param_dtype`` each parameter is cast by itself
