@@ -591,11 +591,11 @@ class TestFullyShardBackendDefaults(TestCase):
             },
         )
 
-    def test_grouped_reduce_scatter_is_one_foreach_pair(self):
-        """Tests that grouped, each group's reduce-scatter comm gets one
-        ``foreach`` call with one pair (the flat buffer), which the default
-        ``foreach`` issues with one ``__call__``, and that upstream's grouped
-        all-gather calls the comm directly."""
+    def test_grouped_collectives_call_the_comm_directly(self):
+        """Tests that grouped, each group's all-gather and reduce-scatter comms
+        are called directly, as without per-parameter collectives, with one
+        reduce-scatter input (the flat buffer), and never through
+        ``foreach``."""
         torch.manual_seed(42)
         model = nn.Sequential(MLP(8), MLP(8))
         comms = []
@@ -609,7 +609,7 @@ class TestFullyShardBackendDefaults(TestCase):
         for all_gather, reduce_scatter in comms:
             self.assertEqual(all_gather.foreach_pairs, [])
             self.assertEqual(all_gather.calls, 2)
-            self.assertEqual(reduce_scatter.foreach_pairs, [1])
+            self.assertEqual(reduce_scatter.foreach_pairs, [])
             self.assertEqual(len(reduce_scatter.input_data_ptrs), 1)
 
     def test_per_param_reduce_scatter_is_one_foreach_call(self):
