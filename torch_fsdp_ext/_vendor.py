@@ -205,20 +205,20 @@ REWRITES: tuple[Rewrite, ...] = (
         ("2.9.0",),
     ),
     *(
+        # Innermost decorator, anchored on the def line alone: the decorators
+        # above it differ between positions of the series (``tools/patches.py
+        # stack`` generates the package at each one).
         Rewrite(
             "_fsdp_param_group.py",
-            f"{decorator}\n    def {method}(",
-            f"{decorator}\n    @_outside_autograd_context\n    def {method}(",
+            f"\n    def {method}(",
+            f"\n    @_outside_autograd_context\n    def {method}(",
             1,
             "c10d's exit abort (docs/upstream-gloo-exit-abort.md): both "
             "collective modes issue their collectives without autograd's "
             "stashed context, see _exit_guard.py",
             _SINCE_2_14,
         )
-        for decorator, method in (
-            ("    @_disable_functorch_if_active", "unshard"),
-            ("    @_dynamo_disable", "post_backward"),
-        )
+        for method in ("unshard", "post_backward")
     ),
     Rewrite(
         "_fsdp_param_group.py",

@@ -7,8 +7,9 @@ with ``sys.setprofile`` (``fsdp_ext_testing.call_counts``). The per-function
 table for one configuration: ``python tools/probes/count_fsdp_calls.py``.
 
 Imports from the package only ``fully_shard`` and ``MixedPrecisionPolicy``
-(through ``call_counts``), and not ``common_fsdp_ext``, so that it can also
-run against the stand-in package of ``tools/patches.py stack``.
+(through ``call_counts``) and the generated ``_fsdp_collectives``, and not
+``common_fsdp_ext``, so that it also runs against the stand-in package of
+``tools/patches.py stack``, at every position of the series.
 """
 
 import unittest
@@ -29,12 +30,18 @@ from fsdp_ext_testing.call_counts import (
     implementations,
     init_fake_process_group,
 )
+from torch_fsdp_ext._fully_shard import _fsdp_collectives
 
-# torch 2.9.0's series does not carry the patch that picks the per-parameter
-# paths once per param group yet (patches/2.9.0/base.toml, [series.omitted]):
-# its grouped mode still makes extra calls, and this test proves it does until
-# the port lands (an unexpected pass fails)
-_PORTED = torch.__version__.split("+")[0] != "2.9.0"
+# torch 2.9.0's per-parameter reduce-scatter (patch 6 of patches/2.9.0, its
+# "Port to torch 2.9.0" paragraph) is not yet the primary base's design, which
+# picks the per-parameter paths once per param group: from that patch on, its
+# grouped mode builds its reduce-scatter inputs through
+# ``_get_reduce_scatter_inputs`` and makes extra calls, and this test proves it
+# does until that port lands (an unexpected pass fails). Before that patch
+# (``tools/patches.py stack``) grouped mode is torch's.
+_PORTED = torch.__version__.split("+")[0] != "2.9.0" or not hasattr(
+    _fsdp_collectives, "_get_reduce_scatter_inputs"
+)
 
 
 def _until_ported(test):

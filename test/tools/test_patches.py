@@ -45,6 +45,8 @@ LAYOUT = (
     "test/fsdp_ext_testing",
     "test/upstream",
     "test/conftest.py",
+    # run by ``patches.py stack`` at every position (its ``PACKAGE_TESTS``)
+    "test/package/test_call_counts.py",
 )
 BUILD_LAYOUT = ("setup.py", "pyproject.toml", "README.md")
 # The commands of tools/patches.py

@@ -8,9 +8,12 @@ imports rewritten back to the package) against it, as the upstream PR's CI
 would after each commit, and checks the files touched so far with PyTorch's
 ruff settings (as ``check`` does for the whole series). A stand-in
 ``torch_fsdp_ext`` exports only the generated ``_fully_shard``, since the
-package's own extras need the whole series. Exits 0 only if every position
-passes; names the first patch whose tests fail otherwise. It says when the
-RFC stack (patches/bases.toml's ``rfc_stack_last``) has passed on its own.
+package's own extras need the whole series. The package tests in
+``PACKAGE_TESTS``, which need of the package only what the stand-in exports,
+run at every position too (with ``test/`` on the path, for
+``fsdp_ext_testing``). Exits 0 only if every position passes; names the
+first patch whose tests fail otherwise. It says when the RFC stack
+(patches/bases.toml's ``rfc_stack_last``) has passed on its own.
 
     python tools/patches.py stack              # every position (about 2 minutes)
     python tools/patches.py stack --from 5     # positions 5..N only
@@ -44,6 +47,9 @@ from ._fully_shard import *  # noqa: F403
 from ._fully_shard import __all__  # noqa: F401
 '''
 STAND_IN_MODULES = ("_upstream_types.py",)
+# Package tests that use of the package only the stand-in's exports, run at
+# every position: grouped mode makes torch's own Python calls at each one
+PACKAGE_TESTS = (REPO / "test" / "package" / "test_call_counts.py",)
 
 
 def lay_out(
@@ -83,6 +89,11 @@ def lay_out(
         dest.parent.mkdir(exist_ok=True)
         dest.write_text(project_form(path.read_text()))
         tests.append(dest)
+    for path in PACKAGE_TESTS:
+        dest = tmp / "tests" / path.name
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, dest)
+        tests.append(dest)
     return tests, touched
 
 
@@ -97,7 +108,8 @@ def run_position(root: Path, pdir: Path, position: int, pytest_args: list[str]) 
         if not tests:
             log.info("%s: no upstream-path tests yet", patch.name)
             return True
-        env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "site")}
+        site_and_helpers = [str(Path(tmp) / "site"), str(REPO / "test")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(site_and_helpers)}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
         proc = subprocess.run(
             [*cmd, *map(str, tests)], cwd=tmp, env=env, capture_output=True, text=True
