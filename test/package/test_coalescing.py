@@ -292,12 +292,14 @@ class _OwnMemoryMixin:
         return any(t.untyped_storage()._cdata == storage for t in self.allocated)
 
 
+# A comm that overrides ``allocate`` sets the opt-in it inherits back to
+# ``False`` (FSDP reads it as a plain attribute)
 class _OwnMemoryAllGather(_OwnMemoryMixin, DefaultAllGather):
-    pass
+    accepts_parameter_output = False
 
 
 class _OwnMemoryReduceScatter(_OwnMemoryMixin, DefaultReduceScatter):
-    pass
+    accepts_gradient_input = False
 
 
 class _CollectiveTensors(TorchDispatchMode):

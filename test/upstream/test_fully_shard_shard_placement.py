@@ -20,8 +20,6 @@ from torch_fsdp_ext import DataParallelMeshDims, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DeterministicReduceScatter,
-    ProcessGroupAllocAllGather,
-    ProcessGroupAllocReduceScatter,
 )
 from torch_fsdp_ext._fully_shard._fsdp_common import (
     FSDPMeshInfo,
@@ -263,37 +261,6 @@ class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
             self.assertEqual(
                 sorted(group.size() for group in all_gather.buffers), [2, 4]
             )
-
-    def test_comm_bound_to_one_group_raises_on_another(self):
-        """Tests that a comm that allocates from the process group it was
-        built with cannot be set on a module with a param group on another
-        process group, and can where every param group uses it."""
-        world_mesh = init_device_mesh(
-            device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
-        )
-        dp_mesh = init_device_mesh(device_type.type, (self.world_size,))
-        model = _MoEBlock(8)
-        fully_shard(
-            model,
-            mesh=dp_mesh,
-            shard_placement_fn=lambda p: (
-                ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"])
-                if _is_expert(p)
-                else None
-            ),
-        )
-        dp_group = dp_mesh.get_group()
-        with self.assertRaisesRegex(ValueError, "ProcessGroupAllocAllGather .*"):
-            model.set_custom_all_gather(
-                ProcessGroupAllocAllGather(dp_group), all_param_groups=True
-            )
-        with self.assertRaisesRegex(ValueError, "ProcessGroupAllocReduceScatter"):
-            model.set_custom_reduce_scatter(
-                ProcessGroupAllocReduceScatter(dp_group), all_param_groups=True
-            )
-        dense = fully_shard(nn.Linear(8, 8), mesh=dp_mesh)
-        dense.set_custom_all_gather(ProcessGroupAllocAllGather(dp_group))
-        dense.set_custom_reduce_scatter(ProcessGroupAllocReduceScatter(dp_group))
 
 
 class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
