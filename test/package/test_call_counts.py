@@ -7,14 +7,11 @@ with ``sys.setprofile`` (``fsdp_ext_testing.call_counts``). The per-function
 table for one configuration: ``python tools/probes/count_fsdp_calls.py``.
 
 Imports from the package only ``fully_shard`` and ``MixedPrecisionPolicy``
-(through ``call_counts``) and the generated ``_fsdp_collectives``, and not
-``common_fsdp_ext``, so that it also runs against the stand-in package of
-``tools/patches.py stack``, at every position of the series.
+(through ``call_counts``), and not ``common_fsdp_ext``, so that it also runs
+against the stand-in package of ``tools/patches.py stack``, at every position
+of the series.
 """
 
-import unittest
-
-import torch
 import torch.distributed as dist
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -30,22 +27,6 @@ from fsdp_ext_testing.call_counts import (
     implementations,
     init_fake_process_group,
 )
-from torch_fsdp_ext._fully_shard import _fsdp_collectives
-
-# torch 2.9.0's per-parameter reduce-scatter (patch 6 of patches/2.9.0, its
-# "Port to torch 2.9.0" paragraph) is not yet the primary base's design, which
-# picks the per-parameter paths once per param group: from that patch on, its
-# grouped mode builds its reduce-scatter inputs through
-# ``_get_reduce_scatter_inputs`` and makes extra calls, and this test proves it
-# does until that port lands (an unexpected pass fails). Before that patch
-# (``tools/patches.py stack``) grouped mode is torch's.
-_PORTED = torch.__version__.split("+")[0] != "2.9.0" or not hasattr(
-    _fsdp_collectives, "_get_reduce_scatter_inputs"
-)
-
-
-def _until_ported(test):
-    return test if _PORTED else unittest.expectedFailure(test)
 
 
 class TestFullyShardCallCounts(TestCase):
@@ -58,7 +39,6 @@ class TestFullyShardCallCounts(TestCase):
         super().tearDown()
 
     @parametrize("config", list(CONFIGS), name_fn=lambda config: config.replace("-", "_"))
-    @_until_ported
     def test_steady_step_calls_match_torch(self, config: str):
         """Tests that in one steady training step grouped mode (the package's
         ``fully_shard`` with no extra kwargs) calls every function of its

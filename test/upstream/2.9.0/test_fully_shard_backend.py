@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -195,9 +196,14 @@ _NCCL = _C10dBackend("nccl", supports_coalescing=True)
 _XCCL = _C10dBackend("xccl", supports_coalescing=True)
 _TPU = _C10dBackend("tpu_dist", supports_coalescing=False)
 _MPI = _C10dBackend("mpi", supports_coalescing=False)
-# A real c10d gloo backend (one rank): FSDP tells gloo's lack of
-# ``PREMUL_SUM`` by its ``name()``; it does not report coalescing
-_GLOO = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
+
+
+@functools.cache
+def _gloo() -> dist.ProcessGroupGloo:
+    """A real c10d gloo backend (one rank), made on first use: FSDP tells
+    gloo's lack of ``PREMUL_SUM`` by its ``name()``; it does not report
+    coalescing."""
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
 
 
 class _FakeGroup:
@@ -229,7 +235,7 @@ class TestFullyShardBackendCapabilities(TestCase):
             (_NCCL, True),
             (_XCCL, True),
             (_TPU, True),
-            (_GLOO, False),
+            (_gloo(), False),
             (_MPI, False),
             (None, True),
         ):
@@ -593,11 +599,11 @@ class TestFullyShardBackendDefaults(TestCase):
             },
         )
 
-    def test_grouped_reduce_scatter_is_one_foreach_pair(self):
-        """Tests that grouped, each group's reduce-scatter comm gets one
-        ``foreach`` call with one pair (the flat buffer), which the default
-        ``foreach`` issues with one ``__call__``, and that upstream's grouped
-        all-gather calls the comm directly."""
+    def test_grouped_collectives_call_the_comm_directly(self):
+        """Tests that grouped, each group's all-gather and reduce-scatter comms
+        are called directly, as without per-parameter collectives, with one
+        reduce-scatter input (the flat buffer), and never through
+        ``foreach``."""
         torch.manual_seed(42)
         model = nn.Sequential(MLP(8), MLP(8))
         comms = []
@@ -611,7 +617,7 @@ class TestFullyShardBackendDefaults(TestCase):
         for all_gather, reduce_scatter in comms:
             self.assertEqual(all_gather.foreach_pairs, [])
             self.assertEqual(all_gather.calls, 2)
-            self.assertEqual(reduce_scatter.foreach_pairs, [1])
+            self.assertEqual(reduce_scatter.foreach_pairs, [])
             self.assertEqual(len(reduce_scatter.input_data_ptrs), 1)
 
     def test_per_param_reduce_scatter_is_one_foreach_call(self):
@@ -712,7 +718,7 @@ class TestFullyShardBackendCoalescing(TestCase):
             (_NCCL, (True, True)),
             (_XCCL, (True, True)),
             (_TPU, (False, True)),
-            (_GLOO, (False, False)),
+            (_gloo(), (False, False)),
             (None, (False, True)),
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)

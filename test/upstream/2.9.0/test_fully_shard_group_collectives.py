@@ -22,7 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch_fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
-    _opts_in,
     DefaultAllGather,
     DefaultReduceScatter,
 )
@@ -208,53 +207,6 @@ def _two_block_model(group_collectives: bool = True, **kwargs) -> nn.Module:
     fully_shard(model, **kwargs)
     _set_group_collectives(model, group_collectives)
     return model
-
-
-class _OwnMemoryAllGather(DefaultAllGather):
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _OwnMemoryOptedInAllGather(_OwnMemoryAllGather):
-    accepts_parameter_output = True
-
-
-class _OwnMemory:
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _OwnMemoryReduceScatter(_OwnMemory, DefaultReduceScatter):
-    pass
-
-
-class TestFullyShardGroupCollectivesOwnTensors(TestCase):
-    def test_own_tensors_opt_in_holds_above_allocate(self):
-        """Tests that FSDP takes a comm's opt-in to receiving its own tensors
-        instead of ``allocate``'s for subclasses only while they do not
-        override ``allocate``, unless the subclass opts in again itself, or the
-        instance sets it. FSDP decides where it uses the comm; the classes keep
-        the flags as they set them."""
-        for comm_cls, flag, accepts in (
-            (_PairRecordingAllGather, "accepts_parameter_output", False),
-            (_PairRecordingReduceScatter, "accepts_gradient_input", False),
-            (DefaultAllGather, "accepts_parameter_output", True),
-            (DefaultReduceScatter, "accepts_gradient_input", True),
-            (_OwnMemoryAllGather, "accepts_parameter_output", False),
-            (_OwnMemoryOptedInAllGather, "accepts_parameter_output", True),
-            (_OwnMemoryReduceScatter, "accepts_gradient_input", False),
-        ):
-            with self.subTest(comm=comm_cls.__name__):
-                self.assertIs(_opts_in(comm_cls(), flag), accepts)
-        # No class is rewritten: the subclass that overrides ``allocate`` still
-        # inherits the flag, and FSDP disregards it
-        self.assertIs(_OwnMemoryAllGather.accepts_parameter_output, True)
-        for comm, accepts in (
-            (_OwnMemoryAllGather(), True),
-            (DefaultAllGather(), False),
-        ):
-            comm.accepts_parameter_output = accepts
-            self.assertIs(_opts_in(comm, "accepts_parameter_output"), accepts)
 
 
 class TestFullyShardGroupCollectivesUserGradients(_ParityTestCase):
