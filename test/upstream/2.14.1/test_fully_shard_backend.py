@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -195,9 +196,14 @@ _NCCL = _C10dBackend("nccl", supports_coalescing=True)
 _XCCL = _C10dBackend("xccl", supports_coalescing=True)
 _TPU = _C10dBackend("tpu_dist", supports_coalescing=False)
 _MPI = _C10dBackend("mpi", supports_coalescing=False)
-# A real c10d gloo backend (one rank): FSDP tells gloo's lack of
-# ``PREMUL_SUM`` by its ``name()``; it does not report coalescing
-_GLOO = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
+
+
+@functools.cache
+def _gloo() -> dist.ProcessGroupGloo:
+    """A real c10d gloo backend (one rank), made on first use: FSDP tells
+    gloo's lack of ``PREMUL_SUM`` by its ``name()``; it does not report
+    coalescing."""
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
 
 
 class _CoalescingGloo(dist.ProcessGroupGloo):
@@ -245,7 +251,7 @@ class TestFullyShardBackendCapabilities(TestCase):
             (_NCCL, True),
             (_XCCL, True),
             (_TPU, True),
-            (_GLOO, False),
+            (_gloo(), False),
             (_MPI, False),
             (None, True),
         ):
@@ -707,7 +713,7 @@ class TestFullyShardBackendCoalescing(TestCase):
             (_NCCL, (True, True)),
             (_XCCL, (True, True)),
             (_TPU, (False, True)),
-            (_GLOO, (False, False)),
+            (_gloo(), (False, False)),
             (None, (False, True)),
         ):
             caps = _get_comm_capabilities(_FakeGroup(2, backend), meta)
