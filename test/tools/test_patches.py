@@ -7,6 +7,7 @@ relative to their own file, so the real patches/, the real generated copy and
 the installed torch are never touched.
 """
 
+import concurrent.futures
 import email
 import email.policy
 import hashlib
@@ -202,19 +203,26 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         """Tests that every script under tools/, every package there run as a
         script, every command of tools/patches.py and every shell script answers
         --help with exit 0."""
-        commands = [" ".join(c[1:]) for c in tool_commands()]
+        commands = tool_commands()
+        names = [" ".join(c[1:]) for c in commands]
         for expected in ("tools/patches.py check", "tools/bench", "tools/demos/moe.py"):
-            self.assertIn(expected, commands)
-        for command in tool_commands():
+            self.assertIn(expected, names)
+
+        # Each answer is a process that mostly imports torch: run a few at once
+        def answer_help(command: list[str]) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [*command, "--help"],
+                cwd=self.repo,
+                env=_env(self.repo),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            answers = list(pool.map(answer_help, commands))
+        for command, proc in zip(commands, answers, strict=True):
             with self.subTest(tool=" ".join(command[1:])):
-                proc = subprocess.run(
-                    [*command, "--help"],
-                    cwd=self.repo,
-                    env=_env(self.repo),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
                 self.assertSucceeds(proc)
                 self.assertIn("usage:", proc.stdout)
 
