@@ -312,6 +312,39 @@ class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):
         self.assertEqual(store.num_keys(), keys_before)
         dist.destroy_process_group()
 
+    def test_catches_a_mismatch_debug_detail_lets_through(self):
+        """Tests a mismatch that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` lets
+        through: rank 0 shards a square weight on dim 0 and rank 1 on dim 1,
+        so every collective has the same sizes and dtypes on both ranks. Under
+        DETAIL alone a step runs and each rank all-gathers a weight that is not
+        the one it sharded; with the check on, lazy init raises on every rank,
+        naming the placement."""
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+        self._init_process_group(datetime.timedelta(seconds=60))
+        # DETAIL wraps the c10d backend to compare each collective across ranks
+        self.assertIsInstance(
+            dist.group.WORLD._get_backend(torch.device("cpu")),
+            dist.distributed_c10d._ProcessGroupWrapper,
+        )
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        for check in (False, True):
+            torch.manual_seed(0)
+            linear = nn.Linear(8, 8, bias=False)
+            weight = linear.weight.detach().clone()
+            fully_shard(
+                linear, mesh=mesh, shard_placement_fn=lambda _: Shard(self.rank)
+            )
+            linear.set_rank_consistency_check(check)
+            if check:
+                with self.assertRaisesRegex(ValueError, "placement"):
+                    linear(torch.randn(2, 8))
+                continue
+            out = linear(torch.randn(2, 8))
+            # The root keeps its parameters unsharded after forward
+            self.assertFalse(torch.equal(linear.weight.detach(), weight))
+            out.sum().backward()
+        dist.destroy_process_group()
+
     def test_change_on_one_rank_raises(self):
         """Tests that ``set_group_collectives`` on one rank only ends in a Python
         error within the process-group timeout: the changed rank's re-check
