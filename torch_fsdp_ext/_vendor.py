@@ -127,13 +127,6 @@ REWRITES: tuple[Rewrite, ...] = (
         bases=("2.15.0",),
     ),
     Rewrite(
-        "_fsdp_backend.py",
-        'ENTRY_POINT_GROUP = "torch.distributed.fsdp.backends"',
-        f'ENTRY_POINT_GROUP = "{PACKAGE}.backends"',
-        1,
-        "backends register for this copy's registry, not torch's",
-    ),
-    Rewrite(
         "_fully_shard.py",
         "\nclass FSDPModule:\n",
         "\nclass FSDPModule(_UpstreamFSDPModule):\n",

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import sys
 import types
 from collections.abc import Iterator
 
@@ -163,9 +162,8 @@ XLA_BACKEND = FSDPBackend(
     group_collectives=False,
     all_gather_comm=XlaAllGather,
     reduce_scatter_comm=XlaReduceScatter,
-    supports_avg=False,
-    supports_premul_sum=False,
-    supports_coalescing=False,
+    # XLA's reduce-scatter has neither AVG nor PREMUL_SUM: FSDP sums and divides
+    force_sum_reduction_for_comms=True,
 )
 
 
@@ -421,12 +419,3 @@ def _ensure_registered() -> None:
     # register(...)'s choice
     if not _registered:
         register()
-
-
-def _register_if_loaded() -> None:
-    # The entry point (pyproject.toml, group torch_fsdp_ext.backends): FSDP
-    # calls it at its first backend lookup. Importing torch_xla there would
-    # start its runtime in every process, so register only where the script
-    # already imported it
-    if "torch_xla" in sys.modules:
-        _ensure_registered()

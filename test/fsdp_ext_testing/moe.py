@@ -334,9 +334,8 @@ def shard_model(
     for module in model.modules():
         if isinstance(module, upstream_fsdp.FSDPModule):
             module.set_gradient_divide_factor(float(meshes.dp.size()))
-            # On CPU the built-in "cpu" FSDP backend sums, then divides, as gloo
-            # has no PREMUL_SUM; upstream has no backend registry to say so
-            if upstream and meshes.dp.device_type == "cpu":
+            # gloo has no PREMUL_SUM: sum, then divide (the user's knob on CPU)
+            if meshes.dp.device_type == "cpu":
                 module.set_force_sum_reduction_for_comms(True)
     return model
 

@@ -27,8 +27,8 @@ __all__ = ["apply_cpu_shims", "debug_config", "DebugRun"]
 def apply_cpu_shims(config: Any) -> None:
     """Make a torchtitan ``Trainer.Config`` train on CPU ranks over gloo.
 
-    Every CPU-only workaround lives here. None of them concerns FSDP; the
-    reference arm's gloo workaround is :func:`_force_sum_reduction`.
+    Every CPU-only workaround lives here. None of them concerns FSDP; FSDP's
+    gloo knob, for both arms, is :func:`_force_sum_reduction`.
     """
     from torchtitan.distributed import parallel_dims
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
@@ -53,10 +53,10 @@ def apply_cpu_shims(config: Any) -> None:
 
 
 def _force_sum_reduction(model: nn.Module) -> None:
-    """torch's ``fully_shard`` reduce-scatters with ``PREMUL_SUM`` once
-    torchtitan sets a gradient divide factor (1.0), which gloo lacks ("Cannot
-    use ReduceOp.PREMUL_SUM with Gloo"); force SUM. Ours does this on gloo by
-    itself."""
+    """FSDP2 reduce-scatters with ``PREMUL_SUM`` once torchtitan sets a
+    gradient divide factor (1.0), which gloo lacks ("Cannot use
+    ReduceOp.PREMUL_SUM with Gloo"); force SUM, as a user on gloo would, in
+    both arms (ours subclasses torch's ``FSDPModule``)."""
     for module in model.modules():
         if isinstance(module, _upstream_fsdp.FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
@@ -138,8 +138,7 @@ class DebugRun:
                 ac_config=config.activation_checkpoint,
                 dump_folder=config.dump_folder,
             )
-        if fsdp is None:
-            _force_sum_reduction(model)
+        _force_sum_reduction(model)
         model.to_empty(device="cpu")
         torch.manual_seed(seed)
         with torch.no_grad():

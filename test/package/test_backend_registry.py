@@ -1,6 +1,7 @@
-"""The FSDP backend registry end to end: capability-aware reductions on gloo,
-unregistering restores upstream bit for bit, entry-point discovery, and the
-TorchTPU-style worked example in ``examples/fsdp_backend_tpu``."""
+"""The FSDP backend registry end to end: a backend's forced-SUM default on
+gloo, unregistering restores upstream bit for bit, registration from torch's
+device-backend autoload, and the TorchTPU-style worked example in
+``examples/fsdp_backend_tpu``."""
 
 import contextlib
 import copy
@@ -20,6 +21,7 @@ from common_fsdp_ext import (
     Model,
     ParityConfig,
     ParityMixin,
+    make_input_fn,
     on_fsdp_modules,
     param_groups,
     registered_fsdp_backend,
@@ -40,23 +42,38 @@ import fsdp_backend_example_tpu  # noqa: E402
 
 @pytest.mark.slow
 class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
-    def test_divide_factor_on_gloo_equals_force_sum(self):
-        """Tests that ``set_gradient_divide_factor`` works on CPU/gloo, which
-        rejects PREMUL_SUM, and gives the bits of
-        ``set_force_sum_reduction_for_comms(True)``, in both modes."""
-        for group_collectives in (True, False):
-            config = ParityConfig(
-                fsdp_kwargs=lambda impl, gc=group_collectives: {"group_collectives": gc},
-                after_shard=on_fsdp_modules(lambda m: m.set_gradient_divide_factor(3.0)),
-            )
-            self.check_parity(
-                config,
-                (EXT, {}),
-                (EXT, {}),
-                variant_after_shard=on_fsdp_modules(
-                    lambda m: m.set_force_sum_reduction_for_comms(True)
-                ),
-            )
+    def test_registered_force_sum_reduction_is_the_setter(self):
+        """Tests that on gloo, which rejects PREMUL_SUM, a backend registered
+        for ``"cpu"`` with ``force_sum_reduction_for_comms=True`` trains with
+        a gradient divide factor bitwise like
+        ``set_force_sum_reduction_for_comms(True)``, in both modes, and that
+        without either the divide factor raises gloo's own error in both modes,
+        as upstream's FSDP2 does."""
+        divide = on_fsdp_modules(lambda m: m.set_gradient_divide_factor(3.0))
+        backend = torch_fsdp_ext.FSDPBackend(force_sum_reduction_for_comms=True)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        make_input = make_input_fn(self.rank, self.device)
+        for impl, group_collectives in ((EXT, True), (EXT, False), (UPSTREAM, None)):
+            kwargs = {} if group_collectives is None else {"group_collectives": group_collectives}
+            torch.manual_seed(42)
+            base = Model(16, 32)
+            models = []
+            for registered in (True, False, False):
+                model = copy.deepcopy(base)
+                with (
+                    registered_fsdp_backend("cpu", backend)
+                    if registered
+                    else contextlib.nullcontext()
+                ):
+                    for module in (*model.blocks, model):
+                        impl.fully_shard(module, mesh=mesh, **kwargs)
+                divide(model)
+                models.append(model)
+            if impl is EXT:
+                on_fsdp_modules(lambda m: m.set_force_sum_reduction_for_comms(True))(models[1])
+                train_in_lockstep(self, models[0], models[1], make_input, num_steps=2)
+            with self.assertRaisesRegex(RuntimeError, "PREMUL_SUM"):
+                models[2](make_input(0)).sum().backward()
 
     def test_unregister_restores_upstream_bitwise(self):
         """Tests that after a backend was registered, used and unregistered,
@@ -71,37 +88,6 @@ class TestFullyShardBackendRegistryGloo(ParityMixin, FSDPExtTestMultiProcess):
             self.assertFalse(param_groups(model)[0].group_collectives)
         self.assertIsNone(torch_fsdp_ext.get_fsdp_backend("cpu"))
         self.check_parity(ParityConfig(), (EXT, {}), (UPSTREAM, {}))
-
-
-@pytest.mark.slow
-class TestFullyShardBackendRegistryGlooHSDP(ParityMixin, FSDPExtTestMultiProcess):
-    @property
-    def world_size(self) -> int:
-        return 4
-
-    def test_hsdp_divide_factor_on_gloo_equals_force_sum(self):
-        """Tests that HSDP on gloo (2 x 2 mesh) with divide factors that equal
-        the shard size, the data-parallel size and neither trains, where the
-        base's own rule would pick PREMUL_SUM, with the bits of
-        ``set_force_sum_reduction_for_comms(True)``, in both modes."""
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        for factor in (2.0, 4.0, 3.0):
-            for group_collectives in (True, False):
-                config = ParityConfig(
-                    mesh=mesh,
-                    fsdp_kwargs=lambda impl, gc=group_collectives: {"group_collectives": gc},
-                    after_shard=on_fsdp_modules(
-                        lambda m, f=factor: m.set_gradient_divide_factor(f)
-                    ),
-                )
-                self.check_parity(
-                    config,
-                    (EXT, {}),
-                    (EXT, {}),
-                    variant_after_shard=on_fsdp_modules(
-                        lambda m: m.set_force_sum_reduction_for_comms(True)
-                    ),
-                )
 
 
 class _Recording:
@@ -162,7 +148,6 @@ class _TPUExampleParity(ParityMixin):
             group_collectives=False,
             all_gather_comm=_RecordingTPUAllGather,
             reduce_scatter_comm=_RecordingTPUReduceScatter,
-            supports_premul_sum=True,
         )
         models = []
         for registered in (True, False):
@@ -223,11 +208,12 @@ class TestFullyShardBackendExampleW4(_TPUExampleParity, FSDPExtTestMultiProcess)
         )
 
 
-class TestFullyShardBackendEntryPoints(TestCase):
-    def test_entry_point_registers_tpu_backend(self):
-        """Tests that installing the example distribution makes FSDP find the
-        ``"tpu"`` backend through the ``torch_fsdp_ext.backends`` entry point,
-        in a process where PrivateUse1 is renamed ``"tpu"`` (as torch_tpu does)."""
+class TestFullyShardBackendAutoload(TestCase):
+    def test_torch_device_autoload_registers_tpu_backend(self):
+        """Tests that installing the example distribution registers the
+        ``"tpu"`` backend at ``import torch``, through torch's own
+        device-backend autoload (the ``torch.backends`` entry point, as
+        torch_tpu uses), with no discovery in FSDP."""
         with tempfile.TemporaryDirectory() as tmp:
             # Build from a copy: setuptools writes egg-info next to the sources
             source, target = Path(tmp) / "src", Path(tmp) / "site"
@@ -240,12 +226,11 @@ class TestFullyShardBackendEntryPoints(TestCase):
             )
             script = (
                 "import torch\n"
-                "torch.utils.rename_privateuse1_backend('tpu')\n"
                 "import torch_fsdp_ext\n"
                 "backend = torch_fsdp_ext.get_fsdp_backend('tpu')\n"
                 "print(backend.group_collectives, backend.reduce_scatter_comm.__name__)\n"
             )
-            env = {**os.environ, "PYTHONPATH": str(target)}
+            env = {**os.environ, "PYTHONPATH": str(target), "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}
             proc = subprocess.run(
                 [sys.executable, "-c", script], env=env, capture_output=True, text=True
             )

@@ -1,15 +1,16 @@
 """``group_collectives=False``: whether a group's per-parameter collectives go
 out as one coalesced c10d op or one op per parameter, and that custom comms
-are honored either way. gloo goes one by one by default (it does not report
+are honored. FSDP's default comms go one by one on gloo (it does not report
 ``supports_coalescing``, and its coalesced ops copy every tensor of the op into
-one temporary, which costs memory); an FSDP backend registered with
-``supports_coalescing=True`` opts in. Coalesced and one by one must give the
-same bits, and a group of several dtypes must go one by one (gloo's coalesced
-all-gather writes wrong values for some dtype mixes).
+one temporary, which costs memory); ``fsdp_ext_testing.coalescing.COALESCED``
+registers comms that coalesce on gloo too. Coalesced and one by one must give
+the same bits.
 
 Multi-process on CPU; the c10d ops are recorded at dispatch, where a coalesced
 op list reaches the backend as a single op.
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.common_utils import run_tests
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_ext_testing.coalescing import COALESCED
 from fsdp_ext_testing.comm_recorder import CommRecorder
-from torch_fsdp_ext import FSDPBackend
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 DEVICE = torch.device("cpu")
@@ -55,7 +56,7 @@ def _train(model: nn.Module, rank: int, steps: int) -> None:
 
 
 def _coalescing():
-    return registered_fsdp_backend(DEVICE.type, FSDPBackend(supports_coalescing=True))
+    return registered_fsdp_backend(DEVICE.type, COALESCED)
 
 
 class TestFullyShardPerParamCoalescing(FSDPExtTestMultiProcess):
@@ -72,8 +73,8 @@ class TestFullyShardPerParamCoalescing(FSDPExtTestMultiProcess):
         """Tests that with ``group_collectives=False`` each group's all-gathers
         (forward and backward) and reduce-scatters are one op per parameter on
         gloo, and one ``allgather_into_tensor_coalesced_`` /
-        ``reduce_scatter_tensor_coalesced_`` per group with an FSDP backend
-        registered with ``supports_coalescing=True``, where grouped
+        ``reduce_scatter_tensor_coalesced_`` per group with ``COALESCED``
+        registered, where grouped
         collectives issue one ``_allgather_base_`` and one
         ``_reduce_scatter_base_`` over each group's flat buffer either way.
 
@@ -183,34 +184,12 @@ class TestFullyShardPerParamCoalescingBits(FSDPExtTestMultiProcess):
             self, coalesced, one_by_one, "coalesced vs one by one", grads=False
         )
 
-    def test_group_of_several_dtypes_gathers_exact_values(self):
-        """Tests that a group holding bf16, fp32 and fp64 parameters (frozen,
-        which FSDP allows without mixed precision) all-gathers each
-        parameter's exact values with coalescing on: such a group goes out one
-        op per parameter, as gloo's coalesced all-gather writes wrong values
-        for these mixes."""
-        torch.manual_seed(42)
-        model = nn.Sequential(
-            nn.Linear(8, 8, dtype=torch.bfloat16),
-            nn.Linear(8, 8, dtype=torch.float32),
-            nn.Linear(8, 8, dtype=torch.float64),
-        )
-        model.requires_grad_(False)
-        expected = [p.detach().clone() for p in model.parameters()]
-        mesh = DeviceMesh.from_group(dist.group.WORLD, DEVICE.type)
-        EXT.fully_shard(model, mesh=mesh, group_collectives=False)
-        with _coalescing(), CommRecorder() as recorder:
-            model.unshard()
-        self.assertNotIn("coalesced", " ".join(c.op for c in recorder.collectives))
-        for param, full in zip(model.parameters(), expected, strict=True):
-            self.assertTrue(torch.equal(param, full), msg=str(full.dtype))
-
 
 class _InFlightAllGather(DefaultAllGather):
     """Leaves a group's all-gathers in flight for ``async_op``: one plain
     asynchronous c10d all-gather per pair, returned as one work. gloo writes
     each output from its worker thread after ``foreach`` returns (gloo's
-    coalesced all-gather is not left in flight; see ``_CommCapabilities``)."""
+    coalesced works are not left in flight; see ``fsdp_ext_testing.coalescing``)."""
 
     def foreach(self, output_tensors, input_tensors, group, async_op=False):
         works = [
@@ -242,7 +221,7 @@ class TestFullyShardPerParamAsyncUnshard(FSDPExtTestMultiProcess):
             ("coalesced", False, True),
             ("in flight", False, False),
         ):
-            with registered_fsdp_backend(DEVICE.type, FSDPBackend(supports_coalescing=coalescing)):
+            with _coalescing() if coalescing else contextlib.nullcontext():
                 model = _build(group_collectives)
                 model._set_unshard_async_op(True)
                 if name == "in flight":
@@ -319,64 +298,63 @@ class _CollectiveTensors(TorchDispatchMode):
 
 
 class TestFullyShardCustomCommsOnGloo(FSDPExtTestMultiProcess):
-    def test_custom_comms_are_honored_where_gloo_coalesces(self):
-        """Tests that with coalescing on, in both collective modes, a default
+    def test_custom_comms_are_honored(self):
+        """Tests that in both collective modes a default
         comm subclass that overrides ``__call__`` is called for every
         collective (one call per parameter per-parameter), and one that
         overrides ``allocate`` gets every all-gather output and reduce-scatter
         input from its ``allocate``, never a parameter's or gradient's own
         storage; either way training is bitwise the default comms'."""
-        with _coalescing():
-            reference = _build(group_collectives=False)
-            _train(reference, self.rank, 2)
-            for group_collectives in (False, True):
-                with self.subTest(group_collectives=group_collectives, comm="call"):
-                    model = _build(group_collectives)
-                    comms = [
-                        (_CallCountingAllGather(), _CallCountingReduceScatter())
-                        for _ in fsdp_modules(model)
-                    ]
-                    for module, (all_gather, reduce_scatter) in zip(
-                        fsdp_modules(model), comms, strict=True
-                    ):
-                        module.set_custom_all_gather(all_gather)
-                        module.set_custom_reduce_scatter(reduce_scatter)
+        reference = _build(group_collectives=False)
+        _train(reference, self.rank, 2)
+        for group_collectives in (False, True):
+            with self.subTest(group_collectives=group_collectives, comm="call"):
+                model = _build(group_collectives)
+                comms = [
+                    (_CallCountingAllGather(), _CallCountingReduceScatter())
+                    for _ in fsdp_modules(model)
+                ]
+                for module, (all_gather, reduce_scatter) in zip(
+                    fsdp_modules(model), comms, strict=True
+                ):
+                    module.set_custom_all_gather(all_gather)
+                    module.set_custom_reduce_scatter(reduce_scatter)
+                _train(model, self.rank, 2)
+                assert_models_bitwise_equal(
+                    self, model, reference, "__call__ override", grads=False
+                )
+                for module, (all_gather, reduce_scatter) in zip(
+                    fsdp_modules(model), comms, strict=True
+                ):
+                    # Two steps; the root is gathered once per step, a
+                    # block twice (forward, backward); a reduce-scatter
+                    # each per step
+                    gathers = 2 if module is model else 4
+                    per_call = (
+                        1
+                        if group_collectives
+                        else len(list(module.parameters()))
+                        - sum(len(list(b.parameters())) for b in getattr(module, "blocks", []))
+                    )
+                    self.assertEqual(all_gather.calls, gathers * per_call)
+                    self.assertEqual(reduce_scatter.calls, 2 * per_call)
+            with self.subTest(group_collectives=group_collectives, comm="allocate"):
+                model = _build(group_collectives)
+                all_gather, reduce_scatter = _OwnMemoryAllGather(), _OwnMemoryReduceScatter()
+                for module in fsdp_modules(model):
+                    module.set_custom_all_gather(all_gather)
+                    module.set_custom_reduce_scatter(reduce_scatter)
+                with _CollectiveTensors() as recorded:
                     _train(model, self.rank, 2)
-                    assert_models_bitwise_equal(
-                        self, model, reference, "__call__ override", grads=False
+                assert_models_bitwise_equal(
+                    self, model, reference, "allocate override", grads=False
+                )
+                self.assertTrue(recorded.tensors)
+                for tensor in recorded.tensors:
+                    self.assertTrue(
+                        all_gather.owns(tensor) or reduce_scatter.owns(tensor),
+                        msg=f"{tuple(tensor.shape)} not from the comm's allocate",
                     )
-                    for module, (all_gather, reduce_scatter) in zip(
-                        fsdp_modules(model), comms, strict=True
-                    ):
-                        # Two steps; the root is gathered once per step, a
-                        # block twice (forward, backward); a reduce-scatter
-                        # each per step
-                        gathers = 2 if module is model else 4
-                        per_call = (
-                            1
-                            if group_collectives
-                            else len(list(module.parameters()))
-                            - sum(len(list(b.parameters())) for b in getattr(module, "blocks", []))
-                        )
-                        self.assertEqual(all_gather.calls, gathers * per_call)
-                        self.assertEqual(reduce_scatter.calls, 2 * per_call)
-                with self.subTest(group_collectives=group_collectives, comm="allocate"):
-                    model = _build(group_collectives)
-                    all_gather, reduce_scatter = _OwnMemoryAllGather(), _OwnMemoryReduceScatter()
-                    for module in fsdp_modules(model):
-                        module.set_custom_all_gather(all_gather)
-                        module.set_custom_reduce_scatter(reduce_scatter)
-                    with _CollectiveTensors() as recorded:
-                        _train(model, self.rank, 2)
-                    assert_models_bitwise_equal(
-                        self, model, reference, "allocate override", grads=False
-                    )
-                    self.assertTrue(recorded.tensors)
-                    for tensor in recorded.tensors:
-                        self.assertTrue(
-                            all_gather.owns(tensor) or reduce_scatter.owns(tensor),
-                            msg=f"{tuple(tensor.shape)} not from the comm's allocate",
-                        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ on real gloo, with the same bits required of all three:
 
 - grouped (``group_collectives=True``);
 - per-parameter, one op per parameter (gloo's default);
-- per-parameter, coalesced (``FSDPBackend(supports_coalescing=True)``).
+- per-parameter, coalesced (``fsdp_ext_testing.coalescing.COALESCED``).
 
 At 2 ranks a sum of two values does not depend on order, so the three agree
 bitwise with the default comms. The settings that need more ranks (HSDP,
@@ -36,13 +36,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.testing._internal.common_utils import run_tests
 
-from torch_fsdp_ext import CPUOffloadPolicy, DeterministicReduceScatter, FSDPBackend
+from fsdp_ext_testing.coalescing import COALESCED, ONE_BY_ONE
+from torch_fsdp_ext import CPUOffloadPolicy, DeterministicReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 DEVICE = torch.device("cpu")
 BF16 = torch.bfloat16
 MODES = {
-    # name: (group_collectives, supports_coalescing)
+    # name: (group_collectives, coalesced)
     "grouped": (True, False),
     "per-param one by one": (False, False),
     "per-param coalesced": (False, True),
@@ -167,8 +168,14 @@ KNOBS_W2 = [
         after_shard=on_fsdp_modules(_custom_comms),
     ),
     Knob(
-        "set_gradient_divide_factor(3.0)",
-        after_shard=on_fsdp_modules(lambda m: m.set_gradient_divide_factor(3.0)),
+        # gloo has no PREMUL_SUM: a divide factor needs SUM, as upstream's does
+        "set_gradient_divide_factor(3.0) with force-sum",
+        after_shard=on_fsdp_modules(
+            lambda m: (
+                m.set_gradient_divide_factor(3.0),
+                m.set_force_sum_reduction_for_comms(True),
+            )
+        ),
     ),
     Knob(
         "set_all_reduce_hook", after_shard=on_fsdp_modules(lambda m: m.set_all_reduce_hook(_halve))
@@ -206,7 +213,7 @@ class _KnobTable(FSDPExtTestMultiProcess):
             else DeviceMesh.from_group(dist.group.WORLD, DEVICE.type)
         )
         kwargs = {"mesh": mesh, "group_collectives": group_collectives, **knob.fsdp_kwargs(mesh)}
-        with registered_fsdp_backend(DEVICE.type, FSDPBackend(supports_coalescing=coalescing)):
+        with registered_fsdp_backend(DEVICE.type, COALESCED if coalescing else ONE_BY_ONE):
             torch.manual_seed(42)
             # hidden 35: padded shards at 2 and 4 ranks
             model = Model(16, 35, num_blocks=3).to(DEVICE)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_utils import run_tests
 
 from fsdp_ext_testing import moe
-from torch_fsdp_ext import FSDPBackend
+from fsdp_ext_testing.coalescing import COALESCED
 
 ARGS = moe.MoEArgs()
 
@@ -288,15 +288,15 @@ class TestFullyShardMoETrace(MoEMixin, FSDPExtTestMultiProcess):
 
     def _trace_step(self, mode: str) -> moe.FSDPCollectiveTrace:
         meshes = moe.build_meshes(DEVICE_TYPE, 2, 2)
-        model = self.build(mode, meshes, deterministic=False)
+        # Coalesced (NCCL's default, comms that coalesce on gloo): a mesh
+        # group's per-parameter collectives read as one line of the trace
+        with registered_fsdp_backend(DEVICE_TYPE, COALESCED):
+            model = self.build(mode, meshes, deterministic=False)
         tokens = self.make_tokens(0)
-        # Coalesced (NCCL's default, opt-in on gloo): a mesh group's
-        # per-parameter collectives read as one line of the trace
-        with registered_fsdp_backend(DEVICE_TYPE, FSDPBackend(supports_coalescing=True)):
-            moe.loss_fn(model, tokens).backward()  # lazy init
-            trace = moe.FSDPCollectiveTrace(meshes)
-            with trace:
-                moe.loss_fn(model, tokens).backward()
+        moe.loss_fn(model, tokens).backward()  # lazy init
+        trace = moe.FSDPCollectiveTrace(meshes)
+        with trace:
+            moe.loss_fn(model, tokens).backward()
         return trace
 
     def test_collective_order(self):
@@ -307,7 +307,7 @@ class TestFullyShardMoETrace(MoEMixin, FSDPExtTestMultiProcess):
           then both of block 0) ahead of the reduce-scatters;
         - per-parameter: the same order, one collective per parameter,
           coalesced into one op per mesh group per block (NCCL coalesces by
-          default, gloo here by registration);
+          default, gloo here with ``COALESCED``);
         - old wrapping, for comparison: experts are a separate FSDP module, so
           block 0's experts all-gather waits until block 1's gradients are
           reduce-scattered.

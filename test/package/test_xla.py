@@ -50,7 +50,10 @@ class TestFullyShardXLAKernels(TestCase):
 
 
 class _NotXlaGroup:
-    """A process group stand-in without torch_xla's replica groups."""
+    """A process group stand-in without torch_xla's replica groups, nor a
+    c10d backend (so the default comms do not coalesce)."""
+
+    _device_types: list[torch.device] = []
 
 
 class TestFullyShardXLATupleCollectives(TestCase):
@@ -135,23 +138,11 @@ class TestFullyShardXLARegistration(TestCase):
                 xla.register()
         self.assertIsNone(get_fsdp_backend("xla"))
 
-    def test_entry_point_waits_for_torch_xla(self):
-        """Tests that the entry point FSDP calls at its first backend lookup
-        registers nothing in a process that has not imported torch_xla (it
-        would otherwise start torch_xla's runtime in every FSDP job)."""
-        with mock.patch.dict(sys.modules, {"torch_xla": None}):
-            sys.modules.pop("torch_xla")
-            xla._register_if_loaded()
-        self.assertIsNone(get_fsdp_backend("xla"))
-
-    def test_backend_reduces_without_avg(self):
-        """Tests the capabilities the 'xla' backend declares: per-parameter
-        by default, no AVG (FSDP sums and divides), no PREMUL_SUM, no
-        coalescing."""
+    def test_backend_reduces_with_sum(self):
+        """Tests the defaults the 'xla' backend declares: per-parameter, and
+        SUM with FSDP's own divides (XLA has neither AVG nor PREMUL_SUM)."""
         self.assertIs(xla.XLA_BACKEND.group_collectives, False)
-        self.assertIs(xla.XLA_BACKEND.supports_avg, False)
-        self.assertIs(xla.XLA_BACKEND.supports_premul_sum, False)
-        self.assertIs(xla.XLA_BACKEND.supports_coalescing, False)
+        self.assertIs(xla.XLA_BACKEND.force_sum_reduction_for_comms, True)
 
 
 if __name__ == "__main__":

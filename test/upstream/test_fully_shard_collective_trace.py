@@ -26,12 +26,6 @@ from torch_fsdp_ext._fully_shard._fsdp_common import (
     FSDPMeshInfo,
     ShardPlacementResult,
 )
-from torch_fsdp_ext import (
-    FSDPBackend,
-    register_fsdp_backend,
-    unregister_fsdp_backend,
-)
-from torch_fsdp_ext._fully_shard._fsdp_collectives import _CommCapabilities
 
 device_type = torch.device(get_devtype())
 
@@ -385,49 +379,6 @@ out_proj.bias""",
             model.set_custom_all_gather(DefaultAllGather())
         with self.assertRaisesRegex(ValueError, "ambiguous across groups"):
             model.set_custom_reduce_scatter(DefaultReduceScatter())
-
-
-class TestFullyShardGroupedSurfaceWithRegistry(TestCase):
-    def setUp(self):
-        super().setUp()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-
-    def tearDown(self):
-        dist.destroy_process_group()
-        super().tearDown()
-
-    def test_mtia_reduces_with_sum_after_registry_calls(self):
-        """Tests that MTIA reduces with ``SUM``, with FSDP's own divides,
-        whatever an FSDP backend registered for it declares and after it is
-        unregistered."""
-        group = dist.distributed_c10d._get_default_group()
-
-        def reduce_ops() -> list[tuple]:
-            ops = []
-            for factor in (None, 3.0):
-                pre, post, rs_op, ar_op = _get_gradient_divide_factors(
-                    group,
-                    None,
-                    torch.float32,
-                    "mtia",
-                    factor,
-                    comm_capabilities=_CommCapabilities(),
-                )
-                ops.append((pre, post, _reduce_op_name(rs_op), _reduce_op_name(ar_op)))
-            return ops
-
-        expected = [(None, 4.0, "SUM", "SUM"), (None, 3.0, "SUM", "SUM")]
-        self.assertEqual(reduce_ops(), expected)
-        register_fsdp_backend(
-            "mtia",
-            FSDPBackend(supports_avg=True, supports_premul_sum=True),
-            override=True,
-        )
-        try:
-            self.assertEqual(reduce_ops(), expected)
-        finally:
-            unregister_fsdp_backend("mtia")
-        self.assertEqual(reduce_ops(), expected)
 
 
 class TestFullyShardCollectiveBits(FSDPTestMultiThread):

@@ -10,13 +10,14 @@ the same seed and trained in one run:
   per-param-nocoalesce  the same, one collective after another
   deterministic         per-param with DeterministicReduceScatter on every module
 
-Coalescing is chosen through the public FSDP backend registry: around the
-steps of a per-parameter mode, the bench registers for the device type a copy
-of its FSDPBackend with supports_coalescing set to the mode's choice (False
-for per-param-nocoalesce, True otherwise), and restores the previous
-registration afterwards. The package itself coalesces where the process
-group's backend reports supports_coalescing (NCCL; not gloo); on gloo and the fake
-process group ("fake") only through such a registration.
+Coalescing is chosen through the public FSDP backend registry: while a
+per-parameter mode's model is sharded, the bench registers for the device type
+a copy of its FSDPBackend whose default comms coalesce a group's collectives
+(per-param, deterministic) or issue them one by one (per-param-nocoalesce),
+from fsdp_ext_testing.coalescing, and restores the previous registration
+afterwards. The package's own comms coalesce where the process group's backend
+reports supports_coalescing (NCCL, which a coalesced mode keeps; not gloo nor
+the fake process group).
 
 Metrics per mode: median, quartiles and min/max of the step time (forward,
 backward, AdamW step, zero_grad; the max over ranks of each step), also as a

@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> None:
         "modes": [asdict(m) for m in MODES],
         "models": {name: asdict(spec) for name, spec in MODELS.items()},
         "notes": [
-            "coalescing: per-param and deterministic run with the device type's FSDP backend "
-            "registered with supports_coalescing=True, per-param-nocoalesce with False "
-            "(torch_fsdp_ext.register_fsdp_backend), on every process group, fake included",
+            "coalescing: per-param and deterministic are sharded with the device type's FSDP "
+            "backend registered with comms that coalesce (FSDP's own on CUDA), "
+            "per-param-nocoalesce with comms that go one by one "
+            "(torch_fsdp_ext.register_fsdp_backend, fsdp_ext_testing.coalescing)",
             "moe: 2-D mesh (efsdp = W / ep, ep = 2); upstream shards each block's experts and "
             "then the block with torch.distributed.fsdp.fully_shard (on CPU summing, then "
             "dividing, as gloo has no PREMUL_SUM), the other modes each block once with "

@@ -152,7 +152,7 @@ def bench_model(
     loss_fn = spec.loss_fn
     inp = spec.make_input(rank, device)
     modes = [MODES_BY_NAME[n] for n in mode_names]
-    models = {m.name: spec.build(m, mesh, cfg.mp) for m in modes}
+    models = {m.name: _build(spec, m, mesh, cfg.mp, device.type) for m in modes}
     optims = {
         name: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         for name, model in models.items()
@@ -172,8 +172,7 @@ def bench_model(
     # so that load drift and cache effects do not favour one mode
     for _ in range(cfg.warmup):
         for mode in modes:
-            with coalescing(mode, device.type):
-                _train_step(models[mode.name], optims[mode.name], inp, loss_fn)
+            _train_step(models[mode.name], optims[mode.name], inp, loss_fn)
     # Per mode and step: step time, FSDP's own time and process-group time
     times = torch.zeros(3, len(modes), cfg.steps, dtype=torch.float64)
     for step in range(cfg.steps):
@@ -182,33 +181,31 @@ def bench_model(
             mode = modes[i]
             dist.barrier()
             _sync(device)
-            with coalescing(mode, device.type):
-                start, fsdp_start, pg_start = time.perf_counter(), TIMER.fsdp_s(), TIMER.pg_s
-                _train_step(models[mode.name], optims[mode.name], inp, loss_fn)
-                _sync(device)
-                times[:, i, step] = torch.tensor(
-                    [
-                        time.perf_counter() - start,
-                        TIMER.fsdp_s() - fsdp_start,
-                        TIMER.pg_s - pg_start,
-                    ]
-                )
+            start, fsdp_start, pg_start = time.perf_counter(), TIMER.fsdp_s(), TIMER.pg_s
+            _train_step(models[mode.name], optims[mode.name], inp, loss_fn)
+            _sync(device)
+            times[:, i, step] = torch.tensor(
+                [
+                    time.perf_counter() - start,
+                    TIMER.fsdp_s() - fsdp_start,
+                    TIMER.pg_s - pg_start,
+                ]
+            )
     # A step takes as long as its slowest rank (and so for each part)
     times = times.to(device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     times = times.cpu()
     for i, mode in enumerate(modes):
-        with coalescing(mode, device.type):
+        _forward_backward(models[mode.name], inp, loss_fn)
+        with CommRecorder() as recorder:
             _forward_backward(models[mode.name], inp, loss_fn)
-            with CommRecorder() as recorder:
-                _forward_backward(models[mode.name], inp, loss_fn)
         summary = recorder.summary()
         coll = summary["collectives"]
         if mode.coalesce is False and coll["ops"] != coll["tensors"]:
             raise RuntimeError(
                 f"{spec.name}: {mode.name} issued {coll['ops']} collectives for "
                 f"{coll['tensors']} tensors, not one per tensor: the FSDP backend "
-                f"registered for {device.type!r} with supports_coalescing=False did not apply"
+                f"registered for {device.type!r} with one-by-one comms did not apply"
             )
         result["modes"][mode.name] = {
             "step_time_s": _stats(times[0, i].tolist()),
@@ -222,9 +219,8 @@ def bench_model(
     del models, optims
     if memory:
         for mode in modes:
-            model = spec.build(mode, mesh, cfg.mp)
-            with coalescing(mode, device.type):
-                peaks = _step_peak_bytes(model, inp, loss_fn)
+            model = _build(spec, mode, mesh, cfg.mp, device.type)
+            peaks = _step_peak_bytes(model, inp, loss_fn)
             result["modes"][mode.name].update(
                 fwd_peak_bytes=peaks.forward,
                 bwd_peak_bytes=peaks.backward,
@@ -282,6 +278,13 @@ def _peak_sites(model: nn.Module, inp: torch.Tensor, loss_fn: LossFn) -> list[st
     return sites
 
 
+def _build(spec: ModelSpec, mode: Mode, mesh: Any, mp: str, device_type: str) -> nn.Module:
+    """``spec.build`` with the mode's coalescing registered (FSDP reads it at
+    ``fully_shard``)."""
+    with coalescing(mode, device_type):
+        return spec.build(mode, mesh, mp)
+
+
 def _profile(
     spec: ModelSpec,
     mode: Mode,
@@ -296,14 +299,12 @@ def _profile(
     sites = []
     device_type = inp.device.type
     if device_type == "cpu":
-        with coalescing(mode, device_type):
-            sites = _peak_sites(model, inp, spec.loss_fn)
+        sites = _peak_sites(model, inp, spec.loss_fn)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device_type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with (
         _quiet_profiler(),
-        coalescing(mode, device_type),
         torch.profiler.profile(activities=activities) as prof,
     ):
         _train_step(model, optim, inp, spec.loss_fn)

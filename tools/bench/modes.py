@@ -1,7 +1,8 @@
 """The five ways the bench shards a model (upstream, grouped, per-parameter
 coalesced or not, deterministic): what each mode is, how it applies
 ``fully_shard`` to a dense model or to the MoE transformer, and the coalescing
-choice a per-parameter mode makes through the public FSDP backend registry."""
+choice a per-parameter mode makes through the public FSDP backend registry's
+default comms."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import torch_fsdp_ext
 from fsdp_ext_testing import CARRIED_ENV, moe
+from fsdp_ext_testing.coalescing import COALESCED, ONE_BY_ONE
 
 
 @dataclass(frozen=True)
@@ -61,19 +63,25 @@ MIXED_PRECISION = {
 @contextlib.contextmanager
 def coalescing(mode: Mode, device_type: str) -> Iterator[None]:
     """For a per-parameter mode, registers for ``device_type`` a copy of its
-    FSDP backend (or of the defaults if none) with ``supports_coalescing =
-    mode.coalesce``, and restores the previous registration on exit.
+    FSDP backend (or of the defaults if none) whose default comms coalesce a
+    group's collectives or issue them one by one, as ``mode.coalesce`` says,
+    and restores the previous registration on exit.
 
-    FSDP reads the flag at every collective and it overrides the decision by
-    the process group's backend, so ``True`` also coalesces on the fake
-    process group. The copy keeps the backend's other fields.
+    FSDP reads the registration at ``fully_shard``: shard inside it. On CUDA
+    FSDP's own comms coalesce (NCCL reports it), so a coalesced mode keeps
+    them; elsewhere the comms of ``fsdp_ext_testing.coalescing`` coalesce on
+    any process group, the fake one and gloo included. A comm set after
+    sharding (``deterministic``'s reduce-scatter) replaces them.
     """
-    if mode.coalesce is None:
+    if mode.coalesce is None or (mode.coalesce and device_type == "cuda"):
         yield
         return
+    comms = COALESCED if mode.coalesce else ONE_BY_ONE
     previous = torch_fsdp_ext.get_fsdp_backend(device_type)
     backend = dataclasses.replace(
-        previous or torch_fsdp_ext.FSDPBackend(), supports_coalescing=mode.coalesce
+        previous or torch_fsdp_ext.FSDPBackend(),
+        all_gather_comm=comms.all_gather_comm,
+        reduce_scatter_comm=comms.reduce_scatter_comm,
     )
     torch_fsdp_ext.register_fsdp_backend(device_type, backend, override=True)
     try:

@@ -16,7 +16,8 @@ Modes:
 
   grouped      group_collectives=True
   per-param    group_collectives=False, gloo's default (one by one)
-  coalesced    the same with FSDPBackend(supports_coalescing=True)
+  coalesced    the same with comms that coalesce on gloo
+               (fsdp_ext_testing.coalescing.COALESCED registered)
 
 gloo's worker threads drop a finished collective's tensors on their own
 schedule, which can only raise a peak, so the same run differs from repeat
@@ -47,11 +48,12 @@ import torch_fsdp_ext
 
 # The models and measurements shared with the tests (test/fsdp_ext_testing)
 sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "test"))
+from fsdp_ext_testing.coalescing import COALESCED  # noqa: E402
 from fsdp_ext_testing.memory import step_peak_bytes  # noqa: E402
 from fsdp_ext_testing.models import Model  # noqa: E402
 
 MODES = {
-    # name: (group_collectives, supports_coalescing)
+    # name: (group_collectives, coalesced)
     "grouped": (True, False),
     "per-param": (False, False),
     "coalesced": (False, True),
@@ -104,7 +106,7 @@ def _peak(shape: tuple[int, int, int], block: str, mp_name: str, mode: str, rank
     dim, hidden, blocks = shape
     group_collectives, coalescing = MODES[mode]
     torch_fsdp_ext.register_fsdp_backend(
-        "cpu", torch_fsdp_ext.FSDPBackend(supports_coalescing=coalescing), override=True
+        "cpu", COALESCED if coalescing else torch_fsdp_ext.FSDPBackend(), override=True
     )
     try:
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")

@@ -1,9 +1,10 @@
 """How a TorchTPU-like backend gives FSDP its defaults, so user code stays ``fully_shard(block)``.
 
-TorchTPU ships as ``torch_tpu``: a PrivateUse1 backend renamed ``"tpu"``. Its
-package would carry this module and the entry point in this example's
-``pyproject.toml``; torch_fsdp_ext calls :func:`register` the first time FSDP
-looks up a backend, so nothing in a training script changes. On TPU, copies into
+TorchTPU ships as ``torch_tpu``: a PrivateUse1 backend renamed ``"tpu"``,
+which torch autoloads at ``import torch`` through its ``torch.backends`` entry
+point. Its package would carry this module, and its autoload hook would call
+:func:`register` (:func:`autoload` here, named in this example's
+``pyproject.toml``), so nothing in a training script changes. On TPU, copies into
 group-wide buffers are costly, hence ``group_collectives=False`` by default.
 
 The comms own every buffer FSDP hands them (``allocate``) and receive each
@@ -17,9 +18,8 @@ packed buffers, so the example runs on CPU with gloo:
   packed, one all-to-all, then a sum in rank order, so the result is the same
   bits at any world size (those of ``DeterministicReduceScatter``).
 
-What runs here (no TPU): entry-point discovery registers ``"tpu"`` in a
-process that renamed PrivateUse1 to ``"tpu"``, and the same :func:`register`
-called for ``"cpu"`` trains on CPU with these comms.
+What runs here (no TPU): torch's autoload registers ``"tpu"``, and the same
+:func:`register` called for ``"cpu"`` trains on CPU with these comms.
 """
 
 import torch
@@ -107,22 +107,21 @@ def _sum_in_rank_order(received: torch.Tensor, op, world_size: int, *, out: torc
 
 
 def register(device_type: str = "tpu") -> None:
-    """The entry point: declare FSDP defaults for ``device_type``.
-
-    Entry points load in every process that uses FSDP, so this must not fail
-    where the device is absent: torch_tpu renames PrivateUse1 to ``"tpu"``
-    when it is imported; without that there is nothing to register.
-    """
-    if device_type == "tpu" and torch._C._get_privateuse1_backend_name() != "tpu":
-        return
+    """Declare FSDP defaults for ``device_type``."""
     register_fsdp_backend(
         device_type,
         FSDPBackend(
             group_collectives=False,
             all_gather_comm=TPUAllGather,
             reduce_scatter_comm=TPUReduceScatter,
-            # The comms batch a group's collectives themselves in ``foreach``;
-            # the rank-order sum supports PREMUL_SUM on any process group
-            supports_premul_sum=True,
         ),
     )
+
+
+def autoload() -> None:
+    """The ``torch.backends`` entry point, which torch calls at the end of
+    ``import torch`` (device-backend autoload): as torch_tpu's would, it
+    names PrivateUse1 ``"tpu"`` and registers the FSDP defaults, so FSDP
+    needs no discovery of its own."""
+    torch.utils.rename_privateuse1_backend("tpu")
+    register()

@@ -16,12 +16,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
-from torch_fsdp_ext import (
-    FSDPBackend,
-    register_fsdp_backend,
-    unregister_fsdp_backend,
-)
-from torch_fsdp_ext._fully_shard._fsdp_collectives import _CommCapabilities
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     _get_gradient_divide_factors,
     DefaultAllGather,
@@ -370,49 +364,6 @@ out_proj.bias""",
             param_group = model._get_fsdp_state()._fsdp_param_group
             self.assertIs(param_group._all_gather_comm, all_gather)
             self.assertIs(param_group._reduce_scatter_comm, reduce_scatter)
-
-
-class TestFullyShardGroupedSurfaceWithRegistry(TestCase):
-    def setUp(self):
-        super().setUp()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-
-    def tearDown(self):
-        dist.destroy_process_group()
-        super().tearDown()
-
-    def test_mtia_reduces_with_sum_after_registry_calls(self):
-        """Tests that MTIA reduces with ``SUM``, with FSDP's own divides,
-        whatever an FSDP backend registered for it declares and after it is
-        unregistered."""
-        group = dist.distributed_c10d._get_default_group()
-
-        def reduce_ops() -> list[tuple]:
-            ops = []
-            for factor in (None, 3.0):
-                pre, post, rs_op, ar_op = _get_gradient_divide_factors(
-                    group,
-                    None,
-                    torch.float32,
-                    "mtia",
-                    factor,
-                    comm_capabilities=_CommCapabilities(),
-                )
-                ops.append((pre, post, _reduce_op_name(rs_op), _reduce_op_name(ar_op)))
-            return ops
-
-        expected = [(None, 4.0, "SUM", "SUM"), (None, 3.0, "SUM", "SUM")]
-        self.assertEqual(reduce_ops(), expected)
-        register_fsdp_backend(
-            "mtia",
-            FSDPBackend(supports_avg=True, supports_premul_sum=True),
-            override=True,
-        )
-        try:
-            self.assertEqual(reduce_ops(), expected)
-        finally:
-            unregister_fsdp_backend("mtia")
-        self.assertEqual(reduce_ops(), expected)
 
 
 class TestFullyShardCollectiveBits(FSDPTestMultiThread):
