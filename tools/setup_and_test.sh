@@ -3,12 +3,14 @@
 # torch_fsdp_ext, check the patch series, lint, run the whole test suite, then
 # the reference tests again on ATen's portable CPU kernels.
 set -euo pipefail
-usage="usage: bash tools/setup_and_test.sh [--base VERSION] [--setup-only] [pytest args...]
+usage="usage: bash tools/setup_and_test.sh [--base VERSION] [--setup-only | --quick] [pytest args...]
 
 --base        torch release to set up (one of patches/*/; default: the primary
               base in patches/bases.toml). The primary base gets .venv, others
               .venv-VERSION.
 --setup-only  set up the venv and the generated copy, run nothing else
+--quick       check, stack and lint as always, then only the tests not marked
+              slow (CI does this for the bases other than the primary)
 Extra arguments go to pytest."
 cd "$(dirname "$0")/.."
 primary=$(python3 -c 'import tomllib; print(tomllib.load(open("patches/bases.toml", "rb"))["primary"])')
@@ -25,6 +27,11 @@ fi
 setup_only=0
 if [[ "${1:-}" == "--setup-only" ]]; then
   setup_only=1
+  shift
+fi
+quick=0
+if [[ "${1:-}" == "--quick" ]]; then
+  quick=1
   shift
 fi
 if [[ ! -f patches/$base/base.toml ]]; then
@@ -73,9 +80,13 @@ $py tools/patches.py stack
 echo "== ruff"
 $py -m ruff check .
 $py -m ruff format --check .
-echo "== tests (torch $base)"
-$py -m pytest test -q -p no:cacheprovider "$@"
+tests=() reference=reference
+if ((quick)); then
+  tests=(-m "not slow") reference="reference and not slow"
+fi
+echo "== tests ${tests[*]} (torch $base)"
+$py -m pytest test -q -p no:cacheprovider "${tests[@]}" "$@"
 # Users' CPUs differ from this one: the tolerance-based comparisons with an
 # unsharded reference must hold with ATen's portable kernels too
-echo "== reference tests with ATEN_CPU_CAPABILITY=default (torch $base)"
-ATEN_CPU_CAPABILITY=default $py -m pytest test -q -p no:cacheprovider -m reference "$@"
+echo "== $reference tests with ATEN_CPU_CAPABILITY=default (torch $base)"
+ATEN_CPU_CAPABILITY=default $py -m pytest test -q -p no:cacheprovider -m "$reference" "$@"

@@ -280,6 +280,23 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         proc = run(repo, "tools/patches.py", "check")
         self.assertFails(proc, "pip install torch==1.0.0")
 
+    def test_lint_and_format_findings_fail(self):
+        """Tests that ``patches.py check`` fails, naming the file and the
+        finding, on a line the series adds that PyTorch's ruff settings flag
+        (a useless semicolon) and on one ``ruff format`` would change."""
+        repo = self.new_repo(vendored=False)
+        old = "+        return False\n"
+        (patch,) = [p for p in series(repo) if "+def _coalesces(" in p.read_text()]
+        text = patch.read_text()
+        self.assertIn(old, text)
+        text = text.replace(old, "+        return False;\n", 1)
+        text = text.replace("+    if len(tensors) < 2:\n", "+    if len(tensors)<2:\n", 1)
+        patch.write_text(text)
+        proc = run(repo, "tools/patches.py", "check")
+        path = "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+        self.assertFails(proc, f"{path}: lint findings the pristine file does not have", "E703")
+        self.assertIn(f"{path}: ruff format would change", proc.stdout)
+
     def test_check_without_ruff_names_the_install(self):
         """Tests that ``patches.py check`` on a Python without ruff fails with one
         line naming the pip command that installs it, not a traceback."""

@@ -380,7 +380,7 @@ def churn(ws: Path) -> dict[tuple[int, int], int]:
     return counts
 
 
-def _ruff(*args: str, text: str, path: str) -> subprocess.CompletedProcess:
+def _ruff_command() -> list[str]:
     try:
         import ruff  # noqa: F401
     except ImportError:
@@ -388,8 +388,12 @@ def _ruff(*args: str, text: str, path: str) -> subprocess.CompletedProcess:
             f"ruff is not installed for {sys.executable}; install the pinned tools: "
             f"{sys.executable} -m pip install -r requirements.txt"
         ) from None
+    return [sys.executable, "-m", "ruff"]
+
+
+def _ruff(*args: str, text: str, path: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ruff", *args, "--config", str(PYTORCH_RUFF)]
+        [*_ruff_command(), *args, "--config", str(PYTORCH_RUFF)]
         + ["--no-cache", "--stdin-filename", path, "-"],
         input=text,
         capture_output=True,
@@ -405,15 +409,40 @@ def ruff_format(text: str, path: str) -> str:
     return proc.stdout
 
 
-def _lint_findings(text: str, path: str) -> collections.Counter[str]:
-    """PyTorch's ruff findings in ``text`` by code and message (not line)."""
-    proc = _ruff("check", "--output-format", "json", "--exit-zero", text=text, path=path)
-    return collections.Counter(f"{f['code']} {f['message']}" for f in json.loads(proc.stdout))
+def _ruff_tree(texts: dict[str, str]) -> tuple[dict[str, collections.Counter[str]], dict[str, str]]:
+    """PyTorch's ruff findings (by code and message, not line) and ``ruff
+    format``'s output for each ``path -> text``, from one ``ruff check`` and
+    one ``ruff format`` over a tree of them (a process per file costs seconds
+    a check)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for path, text in texts.items():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text)
+        command = _ruff_command()
+        settings = ["--config", str(PYTORCH_RUFF), "--no-cache", *sorted(texts)]
+        proc = subprocess.run(
+            [*command, "check", "--output-format", "json", "--exit-zero", *settings],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+        findings: dict[str, collections.Counter[str]] = {p: collections.Counter() for p in texts}
+        for f in json.loads(proc.stdout):
+            rel = Path(f["filename"]).relative_to(root).as_posix()
+            findings[rel][f"{f['code']} {f['message']}"] += 1
+        proc = subprocess.run(
+            [*command, "format", *settings], cwd=root, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise vendor.VendorError(f"ruff format:\n{proc.stderr.strip()}")
+        formatted = {path: (root / path).read_text() for path in texts}
+    return findings, formatted
 
 
-def _format_changes(text: str, path: str) -> collections.Counter[str]:
-    """The lines ``ruff format`` would change in ``text``."""
-    lines = difflib.ndiff(text.splitlines(), ruff_format(text, path).splitlines())
+def _format_changes(text: str, formatted: str) -> collections.Counter[str]:
+    """The lines of ``text`` that ``ruff format`` (giving ``formatted``) changes."""
+    lines = difflib.ndiff(text.splitlines(), formatted.splitlines())
     return collections.Counter(line[2:] for line in lines if line.startswith("- "))
 
 
@@ -444,9 +473,15 @@ def lint_files(files: dict[str, tuple[str, str | None]]) -> list[str]:
     ruff settings: a lint finding, or a line ``ruff format`` would change, that
     the pristine file does not have."""
     errors = []
-    for path, (text, pristine) in sorted(files.items()):
-        new_findings = _lint_findings(text, path) - _lint_findings(pristine or "", path)
-        new_format = _format_changes(text, path) - _format_changes(pristine or "", path)
+    texts = {f"patched/{path}": text for path, (text, _) in files.items()}
+    texts.update({f"pristine/{path}": pristine or "" for path, (_, pristine) in files.items()})
+    findings, formatted = _ruff_tree(texts)
+    for path in sorted(files):
+        patched, pristine = f"patched/{path}", f"pristine/{path}"
+        new_findings = findings[patched] - findings[pristine]
+        new_format = _format_changes(texts[patched], formatted[patched]) - _format_changes(
+            texts[pristine], formatted[pristine]
+        )
         if new_findings:
             errors.append(
                 f"{path}: lint findings the pristine file does not have: {sorted(new_findings)}"
