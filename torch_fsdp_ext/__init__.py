@@ -26,8 +26,8 @@ from ._fully_shard import (  # noqa: E402
     unregister_fsdp_backend,
 )
 
-# Experimental, for parity testing: torch does not export it from torch.distributed.fsdp
-from ._fully_shard._fsdp_collectives import DeterministicReduceScatter  # noqa: E402
+# A test utility upstream (torch.testing._internal.common_fsdp), generated from there
+from ._fully_shard._deterministic import DeterministicReduceScatter  # noqa: E402
 from ._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo  # noqa: E402
 
 __all__ = [

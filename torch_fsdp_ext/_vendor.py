@@ -4,7 +4,9 @@ The vendored copy is *derived*, never edited: it is the installed torch's own
 ``torch/distributed/fsdp/_fully_shard/*.py`` at a supported base (checked by
 sha256), with that base's ``git format-patch`` series
 (``patches/<torch version>/``) applied by ``git apply`` and a small, fixed set
-of rewrites (:data:`REWRITES`). A stamp file records what the copy was
+of rewrites (:data:`REWRITES`), plus ``_deterministic.py``: the one class the
+series adds to FSDP's test utilities (:data:`TEST_UTILITY_SOURCE`), which the
+package exports. A stamp file records what the copy was
 generated from and the sha256 of every generated file, so a copy generated from
 another series, or edited or damaged afterwards, is refused at import.
 
@@ -14,6 +16,7 @@ build environments that may not have torch installed.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import email
 import email.policy
@@ -37,7 +40,28 @@ UPSTREAM_DIR = "torch/distributed/fsdp/_fully_shard"
 # Upstream files the series also changes, outside UPSTREAM_DIR: pinned in each
 # base.toml and linted like the rest, never generated into the package
 # (``torch_fsdp_ext/__init__.py`` exports the same public names itself)
-OUTSIDE_FILES = ("torch/distributed/fsdp/__init__.py",)
+OUTSIDE_FILES = (
+    "torch/distributed/fsdp/__init__.py",
+    "torch/testing/_internal/common_fsdp.py",
+)
+# Upstream keeps ``DeterministicReduceScatter`` with FSDP's test utilities;
+# the package exports it, from this module generated out of that file
+TEST_UTILITY_SOURCE = "torch/testing/_internal/common_fsdp.py"
+TEST_UTILITY_CLASS = "DeterministicReduceScatter"
+TEST_UTILITY_MODULE = "_deterministic.py"
+TEST_UTILITY_HEADER = f'''"""``{TEST_UTILITY_CLASS}``, generated from ``{TEST_UTILITY_SOURCE}``
+with the series applied (see ``torch_fsdp_ext._vendor``)."""
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from ._fsdp_api import _ReduceOp, ReduceScatter
+
+
+'''
 UPSTREAM_TEST_DIR = "test/distributed/_composable/fsdp"
 VENDORED_NAME = "_fully_shard"
 # The vendored copy registers its custom ops (upstream's ``fsdp::*``) here.
@@ -256,6 +280,11 @@ REWRITES: tuple[Rewrite, ...] = (
 # Project tests that travel upstream import the package; in the series they
 # import torch. Longest prefix first.
 TEST_REWRITES: tuple[tuple[str, str], ...] = (
+    # A test imports the test utility on a line of its own
+    (
+        f"from {PACKAGE} import {TEST_UTILITY_CLASS}\n",
+        f"from {TEST_UTILITY_SOURCE[:-3].replace('/', '.')} import {TEST_UTILITY_CLASS}\n",
+    ),
     (f"{PACKAGE}.{VENDORED_NAME}", UPSTREAM_MODULE),
     (f"from {PACKAGE} import", "from torch.distributed.fsdp import"),
     (f"import {PACKAGE}\n", "import torch.distributed.fsdp\n"),
@@ -481,6 +510,7 @@ def apply_series(root: Path, pdir: Path, workdir: Path) -> None:
     dest = workdir / UPSTREAM_DIR
     dest.mkdir(parents=True)
     for path in read_base(pdir).files:
+        (workdir / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(root.parent / path, workdir / path)
     for patch in read_series(pdir):
         proc = subprocess.run(
@@ -520,6 +550,19 @@ def rewrite_test(text: str) -> str:
     return text
 
 
+def test_utility(workdir: Path) -> dict[str, str]:
+    """:data:`TEST_UTILITY_MODULE` and its text, from the patched
+    :data:`TEST_UTILITY_SOURCE` under ``workdir``; nothing before the patch
+    that adds the class."""
+    source = workdir / TEST_UTILITY_SOURCE
+    text = source.read_text() if source.is_file() else ""
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ClassDef) and node.name == TEST_UTILITY_CLASS:
+            segment = ast.get_source_segment(text, node)
+            return {TEST_UTILITY_MODULE: f"{TEST_UTILITY_HEADER}{segment}\n"}
+    return {}
+
+
 def render(root: Path, pdir: Path) -> dict[str, bytes]:
     """Return the generated package files, by file name, including the stamp."""
     base = read_base(pdir)
@@ -530,6 +573,7 @@ def render(root: Path, pdir: Path) -> dict[str, bytes]:
             p.name: rewrite(p.name, p.read_text(), base.torch_version).encode()
             for p in sorted((Path(tmp) / UPSTREAM_DIR).glob("*.py"))
         }
+        files.update({name: text.encode() for name, text in test_utility(Path(tmp)).items()})
     stamp = {
         "torch_version": base.torch_version,
         "commit": base.commit,

@@ -56,8 +56,8 @@ class TestFullyShardExtPublicAPI(FSDPTestMultiThread):
         to ``torch.distributed.fsdp`` by ``__module__``), and besides them only
         ``ShardPlacementResult`` (where the base has per-parameter meshes),
         ``FSDPMeshInfo``, ``HSDPMeshInfo``, ``clip_grad_norm_`` and
-        ``DeterministicReduceScatter`` (experimental, which torch does not
-        export)."""
+        ``DeterministicReduceScatter`` (a test utility in torch's
+        ``common_fsdp``, generated from there)."""
         fsdp2_names, moved = _series_fsdp2_exports()
         upstream_names = {
             name

@@ -668,6 +668,7 @@ class TestPatchToolingBases(_TempRepoTestCase):
             ignore=shutil.ignore_patterns("__pycache__"),
         )
         for rel in OUTSIDE_FILES:
+            (self.tmp / name / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(torch.__file__).parent.parent / rel, self.tmp / name / rel)
         for file, (old, new) in edit.items():
             path = root / "distributed/fsdp/_fully_shard" / file

@@ -13,12 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread, get_devtype
+from torch_fsdp_ext import DeterministicReduceScatter
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
-from torch_fsdp_ext._fully_shard._fsdp_collectives import (
-    DeterministicReduceScatter,
-)
 from torch_fsdp_ext._fully_shard._fsdp_common import ShardPlacementResult
 
 device_type = torch.device(get_devtype())

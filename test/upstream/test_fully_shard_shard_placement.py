@@ -14,13 +14,11 @@ from torch.testing._internal.common_fsdp import (
     FSDPTestMultiThread,
     get_devtype,
 )
+from torch_fsdp_ext import DeterministicReduceScatter
 from torch.testing._internal.common_utils import run_tests
 
 from torch_fsdp_ext import DataParallelMeshDims, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
-from torch_fsdp_ext._fully_shard._fsdp_collectives import (
-    DeterministicReduceScatter,
-)
 from torch_fsdp_ext._fully_shard._fsdp_common import (
     FSDPMeshInfo,
     ShardPlacementResult,

@@ -41,7 +41,8 @@ from .common import (
 
 TEST_DIR = Path(vendor.UPSTREAM_TEST_DIR)
 # The stand-in package: what the generated copy imports besides itself
-STAND_IN_INIT = '''"""Stand-in torch_fsdp_ext for tools/patches.py stack: the generated copy only."""
+STAND_IN_INIT = '''"""Stand-in torch_fsdp_ext for tools/patches.py stack: the generated copy only
+(and the test utility generated from the series, once a patch adds it)."""
 
 from ._fully_shard import *  # noqa: F403
 from ._fully_shard import __all__  # noqa: F401
@@ -74,12 +75,16 @@ def lay_out(
     for path in sorted((work / vendor.UPSTREAM_DIR).glob("*.py")):
         text = vendor.rewrite(path.name, path.read_text(), version)
         (package / vendor.VENDORED_NAME / path.name).write_text(text)
+    init = STAND_IN_INIT
+    for name, text in vendor.test_utility(work).items():
+        (package / vendor.VENDORED_NAME / name).write_text(text)
+        init += f"from ._fully_shard.{name[:-3]} import {vendor.TEST_UTILITY_CLASS}  # noqa: F401\n"
     for rel in vendor.upstream_files(work):
         pristine = root.parent / rel
         upstream = (work / rel).read_text()
         if not pristine.exists() or pristine.read_text() != upstream:
             touched[rel] = (upstream, pristine.read_text() if pristine.exists() else None)
-    (package / "__init__.py").write_text(STAND_IN_INIT)
+    (package / "__init__.py").write_text(init)
     for name in STAND_IN_MODULES:
         shutil.copyfile(REPO / vendor.PACKAGE / name, package / name)
     tests = []

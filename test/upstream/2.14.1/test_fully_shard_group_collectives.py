@@ -24,9 +24,7 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
 )
-from torch_fsdp_ext._fully_shard._fsdp_collectives import (
-    DeterministicReduceScatter,
-)
+from torch_fsdp_ext import DeterministicReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     lib as fsdp_lib,
 )
