@@ -57,7 +57,6 @@ COLLECTIVE_FUNCTIONS = (
     "foreach_all_gather_per_param",
     "foreach_all_gather_per_param_copy_out",
     "foreach_reduce",
-    "_get_comm_capabilities",
 )
 PARAM_METHODS = ("alloc_all_gather_outputs", "free_unsharded_param", "to_sharded", "to_unsharded")
 

@@ -10,8 +10,8 @@ runs each check in a fresh interpreter of this Python with that folder on
   2. ``import torch`` autoloads it through the ``torch.backends`` entry point
   3. the PrivateUse1 backend is renamed "tpu" and ``torch.tpu`` exists
   4. a "tpu" device can be made (needs a TPU)
-  5. the example's ``torch_fsdp_ext.backends`` entry point registers its
-     FSDP backend for "tpu"
+  5. the example's ``torch.backends`` entry point (autoloaded with
+     torch_tpu's) registers its FSDP backend for "tpu"
   6. 3 to 5 again after forcing torch_tpu's device init (its loader only
      renames PrivateUse1 when it counts a TPU)
 

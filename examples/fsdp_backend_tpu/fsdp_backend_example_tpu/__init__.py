@@ -123,5 +123,6 @@ def autoload() -> None:
     ``import torch`` (device-backend autoload): as torch_tpu's would, it
     names PrivateUse1 ``"tpu"`` and registers the FSDP defaults, so FSDP
     needs no discovery of its own."""
-    torch.utils.rename_privateuse1_backend("tpu")
+    if torch._C._get_privateuse1_backend_name() != "tpu":
+        torch.utils.rename_privateuse1_backend("tpu")
     register()
