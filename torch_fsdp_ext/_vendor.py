@@ -37,16 +37,14 @@ from pathlib import Path
 PACKAGE = "torch_fsdp_ext"
 UPSTREAM_MODULE = "torch.distributed.fsdp._fully_shard"
 UPSTREAM_DIR = "torch/distributed/fsdp/_fully_shard"
-# Upstream files the series also changes, outside UPSTREAM_DIR: pinned in each
-# base.toml and linted like the rest, never generated into the package
-# (``torch_fsdp_ext/__init__.py`` exports the same public names itself)
-OUTSIDE_FILES = (
-    "torch/distributed/fsdp/__init__.py",
-    "torch/testing/_internal/common_fsdp.py",
-)
 # Upstream keeps ``DeterministicReduceScatter`` with FSDP's test utilities;
-# the package exports it, from this module generated out of that file
+# the package exports it, from a module generated out of that file
 TEST_UTILITY_SOURCE = "torch/testing/_internal/common_fsdp.py"
+# Upstream files the series also changes, outside UPSTREAM_DIR: pinned in each
+# base.toml and linted like the rest, never generated into the package whole
+# (``torch_fsdp_ext/__init__.py`` exports the same public names itself; of
+# the test utilities only :data:`TEST_UTILITY_CLASS` is generated)
+OUTSIDE_FILES = ("torch/distributed/fsdp/__init__.py", TEST_UTILITY_SOURCE)
 TEST_UTILITY_CLASS = "DeterministicReduceScatter"
 TEST_UTILITY_MODULE = "_deterministic.py"
 TEST_UTILITY_HEADER = f'''"""``{TEST_UTILITY_CLASS}``, generated from ``{TEST_UTILITY_SOURCE}``

@@ -398,6 +398,15 @@ def _per_param_two_blocks_with_foreach_comms() -> list[
     return comms
 
 
+def _OwnCall(comm_cls: type) -> type:
+    """A subclass of ``comm_cls`` whose ``__call__`` is its own (the base's)."""
+
+    def __call__(self, *args, **kwargs):
+        return comm_cls.__call__(self, *args, **kwargs)
+
+    return type(f"OwnCall{comm_cls.__name__}", (comm_cls,), {"__call__": __call__})
+
+
 class TestFullyShardBackendCoalescing(TestCase):
     """Single process over the fake process group, whose c10d backend does
     not report coalescing: ``_coalesces`` is patched to stand in for one that
@@ -451,6 +460,10 @@ class TestFullyShardBackendCoalescing(TestCase):
             self.assertEqual(counts, {coalesced_op: 1})
             self.assertEqual(work is not None, async_op)
             work, counts = self._foreach(comm, 3, False, async_op)
+            self.assertEqual(counts, {op: 3})
+            self.assertIsNone(work)
+            # A subclass with its own ``__call__`` goes one by one
+            work, counts = self._foreach(_OwnCall(type(comm))(), 3, True, async_op)
             self.assertEqual(counts, {op: 3})
             self.assertIsNone(work)
 
