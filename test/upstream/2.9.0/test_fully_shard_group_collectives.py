@@ -65,12 +65,17 @@ class _PairRecordingReduceScatter(ReduceScatter):
 class TestFullyShardGroupCollectivesCommAPI(TestCase):
     def test_own_tensors_opt_in_is_off_by_default(self):
         """Tests that receiving FSDP's own tensors instead of ``allocate``'s is
-        opt-in: off on the interfaces, on for the default comms."""
+        opt-in: off on the interfaces, on for the default comms; and that
+        needing tensors of their own is opt-in everywhere."""
         for comm_cls, flag, accepts in (
             (AllGather, "accepts_parameter_output", False),
             (ReduceScatter, "accepts_gradient_input", False),
             (DefaultAllGather, "accepts_parameter_output", True),
             (DefaultReduceScatter, "accepts_gradient_input", True),
+            (AllGather, "needs_own_inputs", False),
+            (ReduceScatter, "needs_own_outputs", False),
+            (DefaultAllGather, "needs_own_inputs", False),
+            (DefaultReduceScatter, "needs_own_outputs", False),
         ):
             with self.subTest(comm=comm_cls.__name__):
                 self.assertIs(getattr(comm_cls, flag), accepts)
@@ -655,6 +660,60 @@ class TestFullyShardGroupCollectivesParity(_ParityTestCase):
                 self.assertTrue(comm.output_data_ptrs)
                 allocated = {t.data_ptr() for t in comm.allocated}
                 self.assertLessEqual(set(comm.output_data_ptrs), allocated)
+
+    def test_comms_needing_own_tensors(self):
+        """Tests that an all-gather comm that ``needs_own_inputs`` gets each
+        cast parameter as its input instead of a slice of the output, and a
+        reduce-scatter comm that ``needs_own_outputs`` gets outputs that view
+        no buffer, with bitwise the same training as the default comms."""
+        self.run_subtests({"dim": [8, 7]}, self._test_comms_needing_own_tensors)
+
+    def _test_comms_needing_own_tensors(self, dim: int):
+        all_gather, reduce_scatter = _OwnInputsAllGather(), _OwnOutputsReduceScatter()
+        models = _copies_of_two_block_model(
+            dim,
+            [False, False],
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            ),
+        )
+        for module in (*models[0], models[0]):
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+        _train_and_compare(self, models, dim)
+        for own in (all_gather.own_inputs, reduce_scatter.own_outputs):
+            self.assertTrue(own)
+            self.assertTrue(all(own))
+
+
+class _OwnInputsAllGather(DefaultAllGather):
+    """Records whether each input is a bf16 tensor apart from its output."""
+
+    needs_own_inputs = True
+
+    def __init__(self):
+        self.own_inputs: list[bool] = []
+
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        self.own_inputs.extend(
+            i.dtype == torch.bfloat16
+            and i.untyped_storage().data_ptr() != o.untyped_storage().data_ptr()
+            for o, i in zip(output_tensors, input_tensors, strict=True)
+        )
+        return super().foreach(output_tensors, input_tensors, group, async_op)
+
+
+class _OwnOutputsReduceScatter(DefaultReduceScatter):
+    """Records whether each output is a tensor of its own, not a view."""
+
+    needs_own_outputs = True
+
+    def __init__(self):
+        self.own_outputs: list[bool] = []
+
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        self.own_outputs.extend(o._base is None for o in output_tensors)
+        return super().foreach(output_tensors, input_tensors, group, op, async_op)
 
 
 class _AllocatingAllGather(AllGather):
