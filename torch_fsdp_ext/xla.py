@@ -8,8 +8,13 @@ first ``"xla"`` mesh. It registers:
   per-parameter collectives by default, which need no copy-in or copy-out
   buffer and so no host round trip (docs/xla.md), issued together as one
   tuple-shaped all-gather or reduce-scatter per parameter group and dtype
-  (:class:`XlaAllGather`, :class:`XlaReduceScatter`), and a reduce without
-  ``AVG`` (torch_xla's process group has none), so FSDP sums and divides;
+  (:class:`XlaAllGather`, :class:`XlaReduceScatter`), on tensors of their own
+  (``needs_own_inputs``, ``needs_own_outputs``: an XLA tensor is a value, so
+  a write into a slice of another is an update op of the whole), and a
+  reduce without ``AVG`` (torch_xla's process group has none), so FSDP sums
+  and divides;
+- ``torch.nn.utils.clip_grad_norm_`` for DTensor gradients: importing
+  torch_xla replaces it with a version that DTensor cannot run;
 - in-place ops on ``"xla"`` DTensors (``torch.optim``'s steps on FSDP's
   sharded parameters) that reach the tensors their local tensor views: inside
   ``__torch_dispatch__`` torch excludes the functionalization key, so
@@ -33,15 +38,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from . import _clip_grad
 from ._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 from ._fully_shard._fsdp_backend import FSDPBackend, register_fsdp_backend
 from ._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -107,15 +114,22 @@ class XlaAllGather(DefaultAllGather):
     """All-gather comm for ``"xla"``: :meth:`foreach` gathers a parameter
     group's parameters with torch_xla's list all-gather, one tuple-shaped
     ``all-gather`` HLO per dtype and at most ``bucket_cap_bytes`` of inputs,
-    with no concatenated copy-in. torch_xla chains every collective to the one
-    before it through a token, so XLA's combiners cannot merge per-parameter
-    all-gathers later; this issues them together instead."""
+    with no concatenated copy-in (``tuple_collectives=False``: one per
+    parameter). torch_xla chains every collective to the one before it
+    through a token, so XLA's combiners cannot merge per-parameter all-gathers
+    later; this issues them together instead. Each input is the parameter's
+    own (cast) tensor, not a slice of its output: the in-place form costs XLA
+    an update of the output per parameter, at an offset that differs by rank,
+    so the ranks' programs would differ."""
 
-    def __init__(self, bucket_cap_bytes: int | None = None) -> None:
+    needs_own_inputs = True
+
+    def __init__(self, bucket_cap_bytes: int | None = None, tuple_collectives: bool = True) -> None:
         self.bucket_cap_bytes = bucket_cap_bytes
+        self.tuple_collectives = tuple_collectives
 
     def foreach(self, output_tensors, input_tensors, group, async_op=False):
-        if _tuple_unsupported(group, self):
+        if not self.tuple_collectives or _tuple_unsupported(group, self):
             return super().foreach(output_tensors, input_tensors, group, async_op)
         import torch_xla.core.xla_model as xm
 
@@ -130,13 +144,19 @@ class XlaReduceScatter(DefaultReduceScatter):
     """Reduce-scatter comm for ``"xla"``: :meth:`foreach` reduce-scatters a
     parameter group's gradients with torch_xla's list reduce-scatter, one
     tuple-shaped ``reduce-scatter`` HLO per dtype and at most
-    ``bucket_cap_bytes`` of inputs, straight from the gradients."""
+    ``bucket_cap_bytes`` of inputs (``tuple_collectives=False``: one per
+    parameter), straight from the gradients into outputs of their own: a
+    write into a view of one buffer costs XLA a ``pad`` and ``select`` of the
+    whole buffer per parameter (docs/xla.md)."""
 
-    def __init__(self, bucket_cap_bytes: int | None = None) -> None:
+    needs_own_outputs = True
+
+    def __init__(self, bucket_cap_bytes: int | None = None, tuple_collectives: bool = True) -> None:
         self.bucket_cap_bytes = bucket_cap_bytes
+        self.tuple_collectives = tuple_collectives
 
     def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
-        if _tuple_unsupported(group, self):
+        if not self.tuple_collectives or _tuple_unsupported(group, self):
             return super().foreach(output_tensors, input_tensors, group, op, async_op)
         import torch_xla.core.xla_model as xm
 
@@ -351,6 +371,35 @@ def _mesh_from_tensor(mesh: torch.Tensor) -> DeviceMesh:
     return device_mesh
 
 
+def _install_clip_grad_norm() -> None:
+    """Makes ``torch.nn.utils.clip_grad_norm_`` clip DTensor gradients again.
+
+    Importing torch_xla replaces it (``torch_xla/_patched_functions.py``) with
+    a version that stacks ``torch.norm`` of each gradient, which DTensor has
+    no sharding rule for, so ``clip_grad_norm_(model.parameters(), 1.0)``
+    failed on an ``"xla"`` mesh. Now a call with any DTensor gradient goes to
+    :func:`torch_fsdp_ext.clip_grad_norm_`, any other to the version it
+    replaces; the signature is torch's.
+    """
+    replaced = torch.nn.utils.clip_grad_norm_
+
+    @functools.wraps(replaced)
+    def clip_grad_norm_(
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        clip = replaced
+        if any(isinstance(p.grad, DTensor) for p in params):
+            clip = _clip_grad.clip_grad_norm_
+        return clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+
 _registered = False
 
 
@@ -362,7 +411,7 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
     - ``tuple_collectives=True`` (default): a parameter group's per-parameter
       collectives go out as one tuple-shaped collective per dtype, each of at
       most ``bucket_cap_bytes`` of inputs (``None``: no cap);
-    - ``False``: one collective per parameter (the default comms).
+    - ``False``: one collective per parameter.
 
     A later call with other arguments re-registers the backend, for
     ``fully_shard`` calls made afterwards. Raises ``ImportError`` without
@@ -379,7 +428,11 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
     elif bucket_cap_bytes is not None:
         raise ValueError("bucket_cap_bytes applies to tuple_collectives=True only")
     elif not tuple_collectives:
-        backend = dataclasses.replace(XLA_BACKEND, all_gather_comm=None, reduce_scatter_comm=None)
+        backend = dataclasses.replace(
+            XLA_BACKEND,
+            all_gather_comm=lambda: XlaAllGather(tuple_collectives=False),
+            reduce_scatter_comm=lambda: XlaReduceScatter(tuple_collectives=False),
+        )
     if _registered:
         register_fsdp_backend("xla", backend, override=True)
         return
@@ -409,6 +462,7 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
     dispatcher = DTensor._op_dispatcher
     if not hasattr(dispatcher.dispatch, "__wrapped__"):
         dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)
+    _install_clip_grad_norm()
     register_fsdp_backend("xla", backend, override=True)
     _registered = True
 

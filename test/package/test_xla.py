@@ -4,6 +4,7 @@ The XLA lane itself (grouped vs per-param on PJRT CPU) is
 ``bash tools/xla_check.sh``, which CI runs; these tests hold on every base.
 """
 
+import inspect
 import sys
 import types
 from unittest import mock
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_ext import get_fsdp_backend, xla
@@ -85,11 +87,14 @@ class TestFullyShardXLATupleCollectives(TestCase):
 
     def test_backend_comms_are_the_tuple_comms(self):
         """Tests that the 'xla' backend's default comms are the tuple
-        collectives, still taking FSDP's own tensors (no ``allocate``)."""
+        collectives, still taking FSDP's own tensors (no ``allocate``), and
+        needing inputs and outputs of their own (no writes into slices)."""
         self.assertIs(xla.XLA_BACKEND.all_gather_comm, xla.XlaAllGather)
         self.assertIs(xla.XLA_BACKEND.reduce_scatter_comm, xla.XlaReduceScatter)
         self.assertTrue(xla.XlaAllGather.accepts_parameter_output)
         self.assertTrue(xla.XlaReduceScatter.accepts_gradient_input)
+        self.assertTrue(xla.XlaAllGather.needs_own_inputs)
+        self.assertTrue(xla.XlaReduceScatter.needs_own_outputs)
 
     def test_other_process_groups_go_one_by_one(self):
         """Tests that with a process group that is not torch_xla's (no replica
@@ -112,6 +117,29 @@ class TestFullyShardXLATupleCollectives(TestCase):
                 self.assertEqual(
                     [c.args[:2] for c in call.call_args_list],
                     list(zip(outputs, inputs, strict=True)) * 2,
+                )
+
+    def test_one_by_one_comms_skip_the_tuple_collective(self):
+        """Tests that ``tuple_collectives=False`` comms issue one collective
+        per parameter through the default ``__call__`` even on torch_xla's
+        process group, and say nothing."""
+        group = _NotXlaGroup()
+        group._mesh = []  # what torch_xla's process group has for the world
+        outputs, inputs = [torch.empty(4), torch.empty(2)], [torch.empty(2), torch.empty(1)]
+        for comm, args, default in (
+            (xla.XlaAllGather(tuple_collectives=False), (), DefaultAllGather),
+            (
+                xla.XlaReduceScatter(tuple_collectives=False),
+                (dist.ReduceOp.SUM,),
+                DefaultReduceScatter,
+            ),
+        ):
+            with self.subTest(comm=type(comm).__name__):
+                with mock.patch.object(default, "__call__") as call:
+                    with self.assertNoLogs(xla.logger, "WARNING"):
+                        self.assertIsNone(comm.foreach(outputs, inputs, group, *args))
+                self.assertEqual(
+                    [c.args[:2] for c in call.call_args_list], list(zip(outputs, inputs, strict=True))
                 )
 
     def test_bucket_cap_needs_tuple_collectives(self):
@@ -137,6 +165,32 @@ class TestFullyShardXLARegistration(TestCase):
             with self.assertRaisesRegex(ImportError, "Fix: pip install torch-xla=="):
                 xla.register()
         self.assertIsNone(get_fsdp_backend("xla"))
+
+    def test_clip_grad_norm_takes_dtensor_gradients(self):
+        """Tests that once registered, ``torch.nn.utils.clip_grad_norm_``
+        (which importing torch_xla replaces with a version DTensor cannot
+        run) sends a call with DTensor gradients to
+        ``torch_fsdp_ext.clip_grad_norm_``, any other call to the version it
+        replaced, with the same arguments and torch's signature."""
+        replaced = mock.Mock(name="torch_xla_clip_grad_norm_")
+        replaced.__signature__ = inspect.signature(torch.nn.utils.clip_grad.clip_grad_norm_)
+        with (
+            mock.patch.object(torch.nn.utils, "clip_grad_norm_", replaced),
+            mock.patch.object(xla._clip_grad, "clip_grad_norm_") as ours,
+        ):
+            xla._install_clip_grad_norm()
+            installed = torch.nn.utils.clip_grad_norm_
+            self.assertEqual(inspect.signature(installed), replaced.__signature__)
+            plain = torch.nn.Parameter(torch.ones(2))
+            plain.grad = torch.ones(2)
+            installed([plain], 1.0)
+            replaced.assert_called_once_with([plain], 1.0, 2.0, False, None)
+            ours.assert_not_called()
+            # only the gradient's type is read before the call
+            sharded = types.SimpleNamespace(grad=mock.Mock(spec=DTensor))
+            installed(iter([plain, sharded]), 0.5, norm_type=1.0, foreach=True)
+            ours.assert_called_once_with([plain, sharded], 0.5, 1.0, False, True)
+            self.assertEqual(replaced.call_count, 1)
 
     def test_backend_reduces_with_sum(self):
         """Tests the defaults the 'xla' backend declares: per-parameter, and
