@@ -10,15 +10,16 @@ configuration (``CONFIGS``: fp32, bf16 parameters with fp32 reduction,
 ``reshard_after_forward`` False and 2, gradient accumulation,
 ``clip_grad_norm_``, W=2 and W=4) runs in every mode at
 ``PARITY_XLA_FLAGS``; the parent requires the modes' final parameters to be
-equal bit for bit and every parameter to have moved. The fp32 configuration
-also runs at XLA's default optimization level, where each mode reports, for
-rank 0 per steady-state step: HLO op counts (``HLO_OPS``) before XLA's
-optimizations (the graphs torch_xla built) and after them (the compiled
-modules, ``--xla_dump_to``), ``host_round_trips`` (ops torch_xla ran on the
-host), ``graphs_compiled``, ``graphs_executed`` and the median ``step_ms``.
-The JSON report::
+equal bit for bit and every parameter to have moved. The fp32 and bf16
+configurations (``COUNT_CONFIGS``) also run at XLA's default optimization
+level, where each mode reports, for rank 0 per steady-state step: HLO op
+counts (``HLO_OPS``) before XLA's optimizations (the graphs torch_xla built)
+and after them (the compiled modules, ``--xla_dump_to``),
+``host_round_trips`` (ops torch_xla ran on the host), ``graphs_compiled``,
+``graphs_executed`` and the median ``step_ms``. The JSON report::
 
-    {"counts": {mode: {...}}, "configs": {config: {"parity": bool, ...}}, "parity": bool}
+    {"counts": {config: {mode: {...}}}, "configs": {config: {"parity": bool, ...}},
+     "parity": bool}
 
 Only the test bed lives here (threads as ranks, XLA channel ids, ordered
 compiles); what FSDP needs on an ``xla`` device comes from
@@ -51,22 +52,27 @@ MODES = {"grouped": (True, True), "per-param": (False, True), "per-param-1by1": 
 # config -> (world size, settings); every config runs in every mode
 CONFIGS: dict[str, tuple[int, dict]] = {
     "fp32": (2, {}),
-    # per-param casts each parameter into this rank's chunk of its all-gather
-    # output (and reshard_after_forward=2 keeps this rank's chunk of each
-    # all-gathered parameter): rank-dependent offsets, so the ranks' graphs
-    # differ and the test bed cannot pair tuple collectives (docs/xla.md)
-    "bf16-fp32": (2, {"mixed_precision": True, "not_in": ("per-param",)}),
+    "bf16-fp32": (2, {"mixed_precision": True}),
     "reshard-false": (2, {"reshard_after_forward": False}),
     "grad-accum": (2, {"accumulate": 2}),
     "clip": (2, {"clip": 1.0}),
     "w4": (4, {}),
+    "w4-bf16-fp32": (4, {"mixed_precision": True}),
+    # reshard_after_forward=2 keeps this rank's chunk of each all-gathered
+    # parameter, a slice at an offset that differs by rank, so the ranks'
+    # step graphs differ and their tuple collectives, which take no channel
+    # id, never pair in this test bed (docs/xla.md); one by one covers it
     "w4-reshard-2": (4, {"reshard_after_forward": 2, "not_in": ("per-param",)}),
 }
+# the configs whose per-step op counts --check compares (W=2, default XLA flags)
+COUNT_CONFIGS = ("fp32", "bf16-fp32")
 # XLA:CPU's code for a dot depends on the graph it lands in, and the modes cut
 # a step into different graphs, so parity is asserted with LLVM's
 # optimizations off, where the code does not depend on the cut (docs/xla.md)
 PARITY_XLA_FLAGS = "--xla_backend_optimization_level=0"
-HLO_OPS = ("concatenate", "copy", "dynamic-update-slice", "pad", "all-gather", "reduce-scatter")
+# ops that move data; --check requires per-param's, after XLA's passes, each <= grouped's
+DATA_MOVEMENT_OPS = ("concatenate", "copy", "dynamic-update-slice", "pad", "select")
+HLO_OPS = (*DATA_MOVEMENT_OPS, "all-gather", "reduce-scatter")
 
 
 # what the parent hands each worker
@@ -423,10 +429,9 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
             (loss / micro_batches).backward()
         if "clip" in settings:
-            # not torch.nn.utils.clip_grad_norm_: importing torch_xla replaces
-            # it with a version that calls Tensor.norm, which DTensor has no
-            # sharding rule for (docs/xla.md)
-            torch_fsdp_ext.clip_grad_norm_(model.parameters(), settings["clip"])
+            # as users call it: importing torch_xla replaces it with a version
+            # DTensor cannot run, which torch_fsdp_ext.xla.register() undoes
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings["clip"])
         optimizer.step()
         optimizer.zero_grad()
         bed.step_sync()
@@ -529,9 +534,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """The worker of ``--bench``: one model per mode from the same seed,
-    trained in rounds that alternate the modes, ``--bench-steps`` steps each
-    per round, all in this process; prints and saves each mode's step times."""
+    """``--bench``: one model per mode from the same seed, and the floor (the
+    same model and per-rank batch on each rank's device with no FSDP and no
+    collective), trained in rounds that alternate them, ``--bench-steps``
+    steps each per round, all in this process; prints and saves each one's
+    step times (rank 0) and each mode's overhead over the floor."""
     bed = _TestBed(args.world_size)
     import torch
     import torch.distributed as dist
@@ -539,18 +546,19 @@ def bench(args: argparse.Namespace) -> None:
 
     import torch_fsdp_ext
     from torch_fsdp_ext import xla as fsdp_xla
-    from torch_fsdp_ext._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
-    )
 
     fsdp_xla.register()
     comms = {
         "grouped": None,
         "per-param": (fsdp_xla.XlaAllGather, fsdp_xla.XlaReduceScatter),
-        "per-param-1by1": (DefaultAllGather, DefaultReduceScatter),
+        "per-param-1by1": (
+            lambda: fsdp_xla.XlaAllGather(tuple_collectives=False),
+            lambda: fsdp_xla.XlaReduceScatter(tuple_collectives=False),
+        ),
     }
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    bf16 = args.precision == "bf16"
+    runs = ("floor", *MODES)
+    times: dict[str, list[float]] = {run: [] for run in runs}
 
     def rank_fn(index: int) -> None:
         dist.init_process_group("xla", init_method="xla://")
@@ -558,50 +566,71 @@ def bench(args: argparse.Namespace) -> None:
         device = torch_xla.device()
         mesh = fsdp_xla.mesh_from_group()
         models, optimizers = {}, {}
-        for mode, (group_collectives, _) in MODES.items():
+        for run in runs:
             with bed.init_lock:
                 model = build_model(**_model_args(args)).to(device)
-            for module in (*model.layers, model):
-                torch_fsdp_ext.fully_shard(module, mesh=mesh, group_collectives=group_collectives)
-                if comms[mode] is not None:
-                    module.set_custom_all_gather(comms[mode][0]())
-                    module.set_custom_reduce_scatter(comms[mode][1]())
-            models[mode] = model
-            optimizers[mode] = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            if run == "floor":
+                # bf16: the floor computes in bf16 as FSDP's modes do
+                model = model.to(torch.bfloat16 if bf16 else torch.float32)
+            else:
+                mp_policy = torch_fsdp_ext.MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16 if bf16 else None,
+                    reduce_dtype=torch.float32 if bf16 else None,
+                )
+                for module in (*model.layers, model):
+                    torch_fsdp_ext.fully_shard(
+                        module, mesh=mesh, group_collectives=MODES[run][0], mp_policy=mp_policy
+                    )
+                    if comms[run] is not None:
+                        module.set_custom_all_gather(comms[run][0]())
+                        module.set_custom_reduce_scatter(comms[run][1]())
+            models[run] = model
+            optimizers[run] = torch.optim.AdamW(model.parameters(), lr=args.lr)
         step = 0
         for round_ in range(args.warmup + args.steps):
-            for mode, model in models.items():
+            for run, model in models.items():
                 for _ in range(args.bench_steps):
                     bed.step_sync()
                     start = time.perf_counter()
                     x, y = batches(step, args.vocab, args.batch, args.seq, args.world_size)[rank]
                     logits = model(x.to(device))
                     loss = torch.nn.functional.cross_entropy(
-                        logits.flatten(0, 1), y.to(device).flatten()
+                        logits.flatten(0, 1).float(), y.to(device).flatten()
                     )
                     loss.backward()
-                    optimizers[mode].step()
-                    optimizers[mode].zero_grad()
+                    optimizers[run].step()
+                    optimizers[run].zero_grad()
                     bed.step_sync()
                     if rank == 0 and round_ >= args.warmup:
-                        times[mode].append((time.perf_counter() - start) * 1e3)
+                        times[run].append((time.perf_counter() - start) * 1e3)
                     step += 1
             if rank == 0:
                 log.info("round %d of %d", round_ + 1, args.warmup + args.steps)
 
     bed.run(rank_fn)
-    report = {
-        mode: {
-            "steps": len(t),
-            "min_ms": round(min(t), 1),
-            "median_ms": round(statistics.median(t), 1),
-            "max_ms": round(max(t), 1),
-        }
-        for mode, t in times.items()
+    report: dict = {
+        "precision": args.precision,
+        "world_size": args.world_size,
+        "runs": {
+            run: {
+                "steps": len(t),
+                "min_ms": round(min(t), 1),
+                "median_ms": round(statistics.median(t), 1),
+                "max_ms": round(max(t), 1),
+            }
+            for run, t in times.items()
+        },
     }
-    grouped = report["grouped"]["median_ms"]
-    for mode in report:
-        report[mode]["median_vs_grouped"] = round(report[mode]["median_ms"] / grouped, 3)
+    runs_report = report["runs"]
+    floor = runs_report["floor"]["median_ms"]
+    grouped = runs_report["grouped"]["median_ms"]
+    for mode in MODES:
+        runs_report[mode]["median_vs_grouped"] = round(runs_report[mode]["median_ms"] / grouped, 3)
+        runs_report[mode]["overhead_ms"] = round(runs_report[mode]["median_ms"] - floor, 1)
+    for mode in MODES:
+        runs_report[mode]["overhead_vs_grouped"] = round(
+            runs_report[mode]["overhead_ms"] / runs_report["grouped"]["overhead_ms"], 3
+        )
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
@@ -670,16 +699,17 @@ def torch_equal(a, b) -> bool:
 def check(args: argparse.Namespace) -> int:
     retried: list[str] = []
     out: dict = {
-        "counts": {},
+        "counts": {config: {} for config in COUNT_CONFIGS},
         "configs": {},
         "parity_xla_flags": PARITY_XLA_FLAGS,
         "workers_run_again": retried,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            out["counts"][mode] = _run_worker(
-                args, mode, 2, ["fp32"], tmp, count=True, retried=retried
-            )["counts"]
+        for config in COUNT_CONFIGS:
+            for mode in MODES:
+                out["counts"][config][mode] = _run_worker(
+                    args, mode, CONFIGS[config][0], [config], tmp, count=True, retried=retried
+                )["counts"]
         runs: dict[str, dict[str, dict]] = {mode: {} for mode in MODES}
         for mode in MODES:
             for world_size in sorted({CONFIGS[c][0] for c in args.configs}):
@@ -719,13 +749,29 @@ def check(args: argparse.Namespace) -> int:
     if args.out is not None:
         args.out.write_text(text + "\n")
     failures = [f"{c}: parity" for c, e in out["configs"].items() if not e["parity"]]
-    grouped, per_param = out["counts"]["grouped"], out["counts"]["per-param"]
-    for stage in ("before_optimizations", "after_optimizations"):
-        for op in ("all_gather", "reduce_scatter"):
-            if per_param[stage][op] > grouped[stage][op]:
-                failures.append(
-                    f"per-param {stage} {op} {per_param[stage][op]} > {grouped[stage][op]}"
-                )
+    for config, counts in out["counts"].items():
+        failures += [f"{config}: {f}" for f in _count_failures(counts)]
+    for failure in failures:
+        log.error("check failed: %s", failure)
+    return 1 if failures and args.check else 0
+
+
+def _count_failures(counts: dict[str, dict]) -> list[str]:
+    """What per-param (tuple) does per step that it must not: more
+    collectives than grouped, before or after XLA's passes; any data-movement
+    op more often than grouped after them; a concatenate where grouped has
+    any; more host round trips or graphs."""
+    grouped, per_param = counts["grouped"], counts["per-param"]
+    failures = []
+    checks = [
+        (stage, op)
+        for stage in ("before_optimizations", "after_optimizations")
+        for op in ("all_gather", "reduce_scatter")
+    ]
+    checks += [("after_optimizations", op.replace("-", "_")) for op in DATA_MOVEMENT_OPS]
+    for stage, op in checks:
+        if per_param[stage][op] > grouped[stage][op]:
+            failures.append(f"per-param {stage} {op} {per_param[stage][op]} > {grouped[stage][op]}")
     if per_param["before_optimizations"]["concatenate"] >= max(
         grouped["before_optimizations"]["concatenate"], 1
     ):
@@ -733,9 +779,7 @@ def check(args: argparse.Namespace) -> int:
     for key in ("host_round_trips", "graphs_executed"):
         if per_param[key] > grouped[key]:
             failures.append(f"per-param {key} {per_param[key]} > grouped {grouped[key]}")
-    for failure in failures:
-        log.error("check failed: %s", failure)
-    return 1 if failures and args.check else 0
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -748,9 +792,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 unless every config has parity with every parameter moved, and "
-        "per-param needs no more all-gathers, reduce-scatters, host round trips or graphs "
-        "per step than grouped, and fewer concatenates",
+        help="exit 1 unless every config has parity with every parameter moved, and, "
+        "in fp32 and bf16, per-param needs per step no more all-gathers, reduce-scatters, "
+        "host round trips or graphs than grouped, fewer concatenates, and after XLA's "
+        "passes no more of each data-movement op (DATA_MOVEMENT_OPS)",
     )
     parser.add_argument(
         "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="default: all"
@@ -758,11 +803,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bench",
         action="store_true",
-        help="time the modes instead, alternating them in one process (use a larger "
-        "model: see docs/xla.md for the command); --steps rounds after --warmup rounds",
+        help="time the modes and the floor (no FSDP) instead, alternating them in one "
+        "process (use a larger model: see docs/xla.md for the command); --steps rounds "
+        "after --warmup rounds",
     )
     parser.add_argument(
         "--bench-steps", type=int, default=4, help="--bench: steps of each mode per round"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="--bench: fp32, or bf16 parameters with fp32 reduction (MixedPrecisionPolicy)",
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the counts")

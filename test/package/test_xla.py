@@ -139,7 +139,8 @@ class TestFullyShardXLATupleCollectives(TestCase):
                     with self.assertNoLogs(xla.logger, "WARNING"):
                         self.assertIsNone(comm.foreach(outputs, inputs, group, *args))
                 self.assertEqual(
-                    [c.args[:2] for c in call.call_args_list], list(zip(outputs, inputs, strict=True))
+                    [c.args[:2] for c in call.call_args_list],
+                    list(zip(outputs, inputs, strict=True)),
                 )
 
     def test_bucket_cap_needs_tuple_collectives(self):
