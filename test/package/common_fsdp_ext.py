@@ -12,10 +12,17 @@ benchmark.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
+import functools
+import importlib
 import os
+import queue
 import sys
+import tempfile
+import time
+import traceback
 import unittest
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
@@ -30,7 +37,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcessTestCase
+from torch.testing._internal.common_distributed import TEST_SKIPS, get_timeout
 from torch.testing._internal.common_fsdp import run_subtests
 from torch.testing._internal.common_utils import TestCase
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -46,37 +53,178 @@ DEVICE_TYPE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "nccl" if DEVICE_TYPE == "cuda" else "gloo"
 
 
-class FSDPExtTestMultiProcess(MultiProcessTestCase):
-    """One process per rank with a real process group (gloo on CPU, NCCL on CUDA)."""
+class _Ranks:
+    """``world_size`` spawned processes, one per rank, in one process group
+    (gloo on CPU, NCCL on CUDA), that run test methods one after another,
+    each in a new instance of its class: a test pays no spawn of its own
+    (importing torch costs each rank seconds of CPU)."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        with tempfile.NamedTemporaryFile(prefix="fsdp_ext_ranks_", delete=False) as f:
+            self.store_file = f.name
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.processes = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, self.store_file, tasks, self.results),
+                name=f"rank {rank}",
+                daemon=True,
+            )
+            for rank, tasks in enumerate(self.tasks)
+        ]
+        for process in self.processes:
+            process.start()
+        self.alive = True
+
+    def run(self, test: FSDPExtTestMultiProcess) -> None:
+        """Runs ``test``'s method on every rank; fails with the first rank's
+        traceback, skips if the ranks skip. After a failure or a timeout the
+        ranks are ended (the others may wait in a collective)."""
+        task = (type(test).__module__, type(test).__qualname__, test._testMethodName)
+        for tasks in self.tasks:
+            tasks.put(task)
+        deadline = time.monotonic() + get_timeout(test.id())
+        skip = None
+        for _ in self.processes:
+            rank, outcome, detail = self._next_result(deadline)
+            if outcome == "error":
+                self.close(wait=False)
+                test.fail(f"rank {rank} failed:\n{detail}")
+            if outcome == "skip":
+                skip = detail
+        if skip is not None:
+            test.skipTest(skip)
+
+    def _next_result(self, deadline: float) -> tuple[int, str, str | None]:
+        while True:
+            try:
+                return self.results.get(timeout=1.0)
+            except queue.Empty:
+                pass
+            for rank, process in enumerate(self.processes):
+                if process.exitcode is not None:
+                    self.close(wait=False)
+                    raise RuntimeError(f"rank {rank} exited with code {process.exitcode}")
+            if time.monotonic() > deadline:
+                self.close(wait=False)
+                raise TimeoutError("the ranks did not finish in time")
+
+    def close(self, wait: bool = True) -> None:
+        """Ends the ranks: after their current test if ``wait``, else at once."""
+        self.alive = False
+        for tasks in self.tasks:
+            if wait:
+                tasks.put(None)
+        for process in self.processes:
+            if wait:
+                process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for q in (*self.tasks, self.results):
+            q.close()
+            q.cancel_join_thread()
+        with contextlib.suppress(OSError):
+            os.remove(self.store_file)
+
+
+def _rank_main(rank: int, world_size: int, store_file: str, tasks, results) -> None:
+    """One rank of :class:`_Ranks`: joins the process group, then runs each
+    test sent until told to stop."""
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(store_file, world_size)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world_size, store=store)
+    seed = torch.initial_seed()
+    while (task := tasks.get()) is not None:
+        module, qualname, method = task
+        cls = functools.reduce(getattr, qualname.split("."), importlib.import_module(module))
+        test = cls(method)
+        test.rank = rank
+        test.file_name = store_file
+        # Each test starts as in a new process: the default generator at its
+        # initial seed. One intra-op thread: up to four ranks share few cores
+        # (3x faster on 2 cores)
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        try:
+            getattr(test, method)()
+        except unittest.SkipTest as e:
+            results.put((rank, "skip", str(e)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+        else:
+            results.put((rank, "ok", None))
+    # Skip interpreter teardown. There, a gloo worker thread that drops the
+    # last reference to a tensor Python has seen cannot take the GIL of the
+    # finalizing interpreter and aborts the rank (seen 1 in 4 quick-loop runs
+    # on a DTensor ``full_tensor()`` test; see
+    # docs/upstream-gloo-funcol-heap-corruption.md)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# Live ranks by key: the world size, or the class for ``own_processes``
+_RANKS: dict[Any, _Ranks] = {}
+
+
+@atexit.register
+def _close_ranks() -> None:
+    while _RANKS:
+        _RANKS.popitem()[1].close()
+
+
+class FSDPExtTestMultiProcess(TestCase):
+    """Runs each test on ``world_size`` processes, one per rank, with a real
+    process group (gloo on CPU, NCCL on CUDA); ``self.rank`` is the rank.
+
+    The processes of a world size serve every such test of the session, one
+    test after another, each as if in new processes (default generator at
+    its initial seed, one intra-op thread); a failure ends them and the next
+    test starts new ones. A class that changes what outlives a test (the
+    environment at spawn, monkeypatched modules, Dynamo's caches) sets
+    ``own_processes``: its tests get processes of their own, ended after the
+    class. ``file_name`` is a path every rank of a test shares.
+    """
+
+    MAIN_PROCESS_RANK = -1
+    rank = MAIN_PROCESS_RANK
+    own_processes = False
 
     @property
     def world_size(self) -> int:
         return 2
 
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_processes()
+    def __init__(self, methodName: str = "runTest") -> None:
+        super().__init__(methodName)
+        if methodName.startswith("test"):
+            fn = getattr(self, methodName)
+
+            @functools.wraps(fn)
+            def on_ranks() -> None:
+                if self.rank == self.MAIN_PROCESS_RANK:
+                    self._ranks().run(self)
+                else:
+                    fn()
+
+            setattr(self, methodName, on_ranks)
+
+    def _ranks(self) -> _Ranks:
+        if DEVICE_TYPE == "cuda" and torch.cuda.device_count() < self.world_size:
+            self.skipTest(TEST_SKIPS[f"multi-gpu-{self.world_size}"].message)
+        key = type(self) if self.own_processes else self.world_size
+        if key not in _RANKS or not _RANKS[key].alive:
+            _RANKS[key] = _Ranks(self.world_size)
+        return _RANKS[key]
 
     @classmethod
-    def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe, **kwargs) -> None:
-        self = cls(test_name)
-        self.rank = rank
-        self.file_name = file_name
-        if DEVICE_TYPE == "cuda":
-            if torch.cuda.device_count() < self.world_size:
-                sys.exit(TEST_SKIPS[f"multi-gpu-{self.world_size}"].exit_code)
-            torch.cuda.set_device(rank)
-        store = dist.FileStore(file_name, self.world_size)
-        dist.init_process_group(BACKEND, rank=rank, world_size=self.world_size, store=store)
-        self.run_test(test_name, parent_pipe)  # exits with the test's code unless it passed
-        # Passed and reported: skip interpreter teardown. There, a gloo worker
-        # thread that drops the last reference to a tensor Python has seen
-        # cannot take the GIL of the finalizing interpreter and aborts the rank
-        # (seen 1 in 4 quick-loop runs on a DTensor ``full_tensor()`` test; see
-        # docs/upstream-gloo-funcol-heap-corruption.md)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    def tearDownClass(cls) -> None:
+        if cls.own_processes and cls in _RANKS:
+            _RANKS.pop(cls).close()
+        super().tearDownClass()
 
     def run_subtests(self, *args, **kwargs):
         return run_subtests(self, *args, **kwargs)

@@ -62,6 +62,9 @@ class TestFullyShardCompileTraceRules(TestCase):
 
 @pytest.mark.slow
 class TestFullyShardCompile(FSDPExtTestMultiProcess, ParityMixin):
+    # Dynamo's caches and counters outlive a test
+    own_processes = True
+
     def _compile_and_count(self, model: torch.nn.Module, inp: torch.Tensor) -> tuple[int, int]:
         """Runs one forward and backward; returns (graph breaks, graphs) it added."""
         breaks = sum(counters["graph_break"].values())
@@ -136,6 +139,9 @@ class TestFullyShardCompile(FSDPExtTestMultiProcess, ParityMixin):
 
 @pytest.mark.slow
 class TestFullyShardCompiledAutograd(FSDPExtTestMultiProcess, ParityMixin):
+    # Dynamo's caches and counters outlive a test
+    own_processes = True
+
     def test_compiled_autograd_per_param_matches_grouped_and_upstream(self):
         """Tests that with the whole model compiled (aot_eager) and backward
         under compiled autograd, per-parameter and grouped collectives train to

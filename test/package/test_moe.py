@@ -55,9 +55,6 @@ class MoEMixin:
         return torch.randint(ARGS.vocab, (2, 9), generator=gen).to(DEVICE_TYPE)
 
     def build(self, mode: str | None, meshes: moe.MoEMeshes, deterministic: bool, **kwargs):
-        # Up to four ranks share few cores: one intra-op thread each avoids
-        # oversubscription (3x faster on 2 cores)
-        torch.set_num_threads(1)
         model = moe.build_model(ARGS, mode, meshes, **kwargs)
         if deterministic:
             moe.set_deterministic_reduce_scatter(model)
@@ -249,6 +246,8 @@ class TestFullyShardMoEMemorySafety(MoEMixin, FSDPExtTestMultiProcess):
     the heap now and then (``docs/upstream-gloo-funcol-heap-corruption.md``)."""
 
     ITERATIONS = 1500
+    # The environment is read at spawn
+    own_processes = True
 
     @property
     def world_size(self) -> int:

@@ -161,13 +161,15 @@ cpu_only = unittest.skipIf(
 
 
 class ThreeWayMixin:
+    # apply_cpu_shims patches torchtitan, whose spmd_types backend keeps the
+    # meshes of a process's first ParallelDims
+    own_processes = True
+
     def check_three_ways(self, model: str, *, ep: int = 1, param_dtypes=("bfloat16",)):
         """Trains ``model``'s debug config three ways (:data:`ARMS`) from seed
         42 for :data:`STEPS` steps on the same tokens (seed 42 + rank + 1000 *
         step), per parameter dtype; everything each rank holds must be bitwise
         equal at every step."""
-        # Up to four ranks share few cores: one intra-op thread each
-        torch.set_num_threads(1)
         # One ParallelDims per process: torchtitan's spmd_types backend keeps
         # the meshes of the first in module state
         config = debug_config(model, ep=ep, steps=STEPS)
