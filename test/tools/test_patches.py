@@ -10,6 +10,7 @@ the installed torch are never touched.
 import concurrent.futures
 import email
 import email.policy
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import tomllib
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -83,10 +85,16 @@ GIT_IDENTITY = {
 }
 
 
-def make_repo(dest: Path, *, vendored: bool = False, build: bool = False) -> Path:
-    """Copy the repository layout to ``dest``; optionally generate the copy there."""
-    for rel in LAYOUT + (BUILD_LAYOUT if build else ()):
-        src, dst = REPO / rel, dest / rel
+@functools.cache
+def _template() -> tempfile.TemporaryDirectory:
+    """The repository layout, build files included, copied once per session
+    and generated there: every copy a test makes comes from it, so
+    ``patches.py vendor`` runs once rather than once per copy, and every
+    copy is of one moment of a tree that someone may be editing."""
+    tmp = tempfile.TemporaryDirectory(prefix="torch_fsdp_ext-test-template-")
+    template = Path(tmp.name)
+    for rel in LAYOUT + BUILD_LAYOUT:
+        src, dst = REPO / rel, template / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
@@ -97,10 +105,21 @@ def make_repo(dest: Path, *, vendored: bool = False, build: bool = False) -> Pat
             dst.write_text("torch-fsdp-ext\n")
         else:
             raise FileNotFoundError(src)
-    if vendored:
-        proc = run(dest, "tools/patches.py", "vendor")
-        if proc.returncode != 0:
-            raise RuntimeError(f"tools/patches.py vendor failed:\n{proc.stdout}")
+    proc = run(template, "tools/patches.py", "vendor")
+    if proc.returncode != 0:
+        raise RuntimeError(f"tools/patches.py vendor failed:\n{proc.stdout}")
+    return tmp
+
+
+def make_repo(dest: Path, *, vendored: bool = False, build: bool = False) -> Path:
+    """Copy the repository layout to ``dest``, with the generated copy if
+    ``vendored`` and what building a wheel needs if ``build``."""
+    shutil.copytree(_template().name, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    if not vendored:
+        shutil.rmtree(dest / VENDORED)
+    if not build:
+        for rel in BUILD_LAYOUT:
+            (dest / rel).unlink()
     return dest
 
 
@@ -138,6 +157,14 @@ def series(repo: Path, pdir: Path = PDIR) -> list[Path]:
 
 
 class _TempRepoTestCase(TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        shared = tempfile.TemporaryDirectory(prefix="torch_fsdp_ext-test-")
+        cls.addClassCleanup(shared.cleanup)
+        cls.shared_tmp = Path(shared.name)
+        cls.shared_checks = {}
+
     def setUp(self):
         super().setUp()
         tmp = tempfile.TemporaryDirectory(prefix="torch_fsdp_ext-test-")
@@ -146,6 +173,20 @@ class _TempRepoTestCase(TestCase):
 
     def new_repo(self, name: str = "repo", **kwargs) -> Path:
         return make_repo(self.tmp / name, **kwargs)
+
+    def shared_check(
+        self, make_defects: Callable[[Path], None], **kwargs
+    ) -> subprocess.CompletedProcess:
+        """``patches.py check`` on a copy (``make_repo(**kwargs)``) that
+        ``make_defects`` changed, run once per class for the tests that each
+        require their own finding of it. Every finding is a FAIL line, and any
+        FAIL line fails the check: a finding shows that its defect alone fails it."""
+        name = make_defects.__name__
+        if name not in self.shared_checks:
+            repo = make_repo(self.shared_tmp / name, **kwargs)
+            make_defects(repo)
+            self.shared_checks[name] = run(repo, "tools/patches.py", "check")
+        return self.shared_checks[name]
 
     def assertFails(self, proc: subprocess.CompletedProcess, *needles: str) -> None:
         self.assertNotEqual(proc.returncode, 0, proc.stdout)
@@ -171,13 +212,23 @@ class TestPatchToolingCheck(_TempRepoTestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls._shared_tmp = tempfile.TemporaryDirectory(prefix="torch_fsdp_ext-test-")
-        cls.repo = make_repo(Path(cls._shared_tmp.name) / "repo", vendored=True)
+        cls.repo = make_repo(cls.shared_tmp / "repo", vendored=True)
 
-    @classmethod
-    def tearDownClass(cls):
-        cls._shared_tmp.cleanup()
-        super().tearDownClass()
+    def series_defects(self, repo: Path) -> None:
+        """Two defects of the series that fail different steps of the check:
+        the registry patch leaves ``FSDPBackend.__module__`` private, and the
+        ``_coalesces`` patch adds a line that PyTorch's ruff settings flag (a
+        useless semicolon) and one that ``ruff format`` would change."""
+        line = '+FSDPBackend.__module__ = "torch.distributed.fsdp"\n'
+        (patch,) = [p for p in series(repo) if line in p.read_text()]
+        patch.write_text(patch.read_text().replace(line, line.replace('fsdp"', 'fsdp._x"')))
+        old = "+        return False\n"
+        (patch,) = [p for p in series(repo) if "+def _coalesces(" in p.read_text()]
+        text = patch.read_text()
+        self.assertIn(old, text)
+        text = text.replace(old, "+        return False;\n", 1)
+        text = text.replace("+    if len(tensors) < 2:\n", "+    if len(tensors)<2:\n", 1)
+        patch.write_text(text)
 
     def test_unchanged_copy_passes(self):
         """Tests that ``patches.py check`` passes on an unmodified copy of the repository."""
@@ -190,12 +241,8 @@ class TestPatchToolingCheck(_TempRepoTestCase):
         """Tests that ``patches.py check`` imports torch with the series in place
         and names a ``_fully_shard.__all__`` name that ``torch.distributed.fsdp``
         does not export as its own: here the registry patch leaves
-        ``FSDPBackend.__module__`` private."""
-        repo = self.new_repo(vendored=True)
-        line = '+FSDPBackend.__module__ = "torch.distributed.fsdp"\n'
-        (patch,) = [p for p in series(repo) if line in p.read_text()]
-        patch.write_text(patch.read_text().replace(line, line.replace('fsdp"', 'fsdp._x"')))
-        proc = run(repo, "tools/patches.py", "check")
+        ``FSDPBackend.__module__`` private (:meth:`series_defects`)."""
+        proc = self.shared_check(self.series_defects)
         self.assertFails(proc, "torch.distributed.fsdp does not export ['FSDPBackend']")
 
     @pytest.mark.slow
@@ -283,16 +330,9 @@ class TestPatchToolingCheck(_TempRepoTestCase):
     def test_lint_and_format_findings_fail(self):
         """Tests that ``patches.py check`` fails, naming the file and the
         finding, on a line the series adds that PyTorch's ruff settings flag
-        (a useless semicolon) and on one ``ruff format`` would change."""
-        repo = self.new_repo(vendored=False)
-        old = "+        return False\n"
-        (patch,) = [p for p in series(repo) if "+def _coalesces(" in p.read_text()]
-        text = patch.read_text()
-        self.assertIn(old, text)
-        text = text.replace(old, "+        return False;\n", 1)
-        text = text.replace("+    if len(tensors) < 2:\n", "+    if len(tensors)<2:\n", 1)
-        patch.write_text(text)
-        proc = run(repo, "tools/patches.py", "check")
+        (a useless semicolon) and on one ``ruff format`` would change
+        (:meth:`series_defects`)."""
+        proc = self.shared_check(self.series_defects)
         path = "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
         self.assertFails(proc, f"{path}: lint findings the pristine file does not have", "E703")
         self.assertIn(f"{path}: ruff format would change", proc.stdout)
@@ -633,28 +673,33 @@ class TestPatchToolingBases(_TempRepoTestCase):
         proc = run(repo, "tools/patches.py", "check")
         self.assertFails(proc, f"omits [{subject!r}] without a reason")
 
-    def test_bases_with_other_subjects_fail(self):
-        """Tests that ``patches.py check`` fails when one base's series has another patch subject."""
-        repo = self.new_repo(vendored=True)
+    def base_defects(self, repo: Path) -> None:
+        """A second base, 9.9.9, that disagrees with the primary one twice: its
+        last patch has another subject, and its series carries a test (one
+        every base carries) other than test/upstream/'s."""
         pdir = self.add_base(repo, "9.9.9")
         patch = series(repo, pdir.relative_to(repo))[-1]
         patch.write_text(
             patch.read_text().replace("Subject: [PATCH] ", "Subject: [PATCH] Renamed ", 1)
         )
-        proc = run(repo, "tools/patches.py", "check")
-        self.assertFails(proc, "patches/9.9.9 has other patch subjects", "Carrying a change")
-
-    def test_diverged_upstream_test_fails(self):
-        """Tests that ``patches.py check`` fails when a base's series carries a test other than test/upstream/."""
-        repo = self.new_repo(vendored=True)
-        self.add_base(repo, "9.9.9")
-        # A test every base carries
         test = repo / "test/upstream/test_fully_shard_cpu_offload.py"
         own = repo / "test/upstream" / "9.9.9" / test.name
         own.parent.mkdir(exist_ok=True)
         own.write_text(test.read_text() + "# 9.9.9\n")
-        proc = run(repo, "tools/patches.py", "check")
-        self.assertFails(proc, f"{test.name} in patches/9.9.9 differs", "sync-tests")
+
+    def test_bases_with_other_subjects_fail(self):
+        """Tests that ``patches.py check`` fails when one base's series has
+        another patch subject (:meth:`base_defects`)."""
+        proc = self.shared_check(self.base_defects, vendored=True)
+        self.assertFails(proc, "patches/9.9.9 has other patch subjects", "Carrying a change")
+
+    def test_diverged_upstream_test_fails(self):
+        """Tests that ``patches.py check`` fails when a base's series carries a
+        test other than test/upstream/ (:meth:`base_defects`)."""
+        proc = self.shared_check(self.base_defects, vendored=True)
+        self.assertFails(
+            proc, "test_fully_shard_cpu_offload.py in patches/9.9.9 differs", "sync-tests"
+        )
         self.assertNotIn(f"in patches/{INSTALLED} differs", proc.stdout)
 
     def fake_torch(self, name: str, version: str, edit: dict[str, tuple[str, str]]) -> Path:
