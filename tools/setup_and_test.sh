@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a venv for one torch base from scratch if needed, install
 # torch_fsdp_ext, check the patch series, lint, run the whole test suite, then
-# the reference tests again on ATen's portable CPU kernels.
+# the reference tests again on ATen's portable CPU kernels. Each patch's tests
+# at its position (tools/patches.py stack) are CI's and the patch loop's.
 set -euo pipefail
 usage="usage: bash tools/setup_and_test.sh [--base VERSION] [--setup-only | --quick] [pytest args...]
 
@@ -9,8 +10,8 @@ usage="usage: bash tools/setup_and_test.sh [--base VERSION] [--setup-only | --qu
               base in patches/bases.toml). The primary base gets .venv, others
               .venv-VERSION.
 --setup-only  set up the venv and the generated copy, run nothing else
---quick       check, stack and lint as always, then only the tests not marked
-              slow (CI does this for the bases other than the primary)
+--quick       check and lint as always, then only the tests not marked slow
+              (CI does this for the bases other than the primary)
 Extra arguments go to pytest."
 cd "$(dirname "$0")/.."
 primary=$(python3 -c 'import tomllib; print(tomllib.load(open("patches/bases.toml", "rb"))["primary"])')
@@ -75,8 +76,6 @@ if ((setup_only)); then
 fi
 echo "== tools/patches.py check (torch $base)"
 $py tools/patches.py check
-echo "== tools/patches.py stack: each patch's upstream-path tests at its position (torch $base)"
-$py tools/patches.py stack
 echo "== ruff"
 $py -m ruff check .
 $py -m ruff format --check .
