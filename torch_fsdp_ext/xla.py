@@ -379,23 +379,20 @@ def _install_clip_grad_norm() -> None:
     no sharding rule for, so ``clip_grad_norm_(model.parameters(), 1.0)``
     failed on an ``"xla"`` mesh. Now a call with any DTensor gradient goes to
     :func:`torch_fsdp_ext.clip_grad_norm_`, any other to the version it
-    replaces; the signature is torch's.
+    replaces, with the same arguments; both have torch's signature, which
+    the wrapper reports (``functools.wraps``).
     """
     replaced = torch.nn.utils.clip_grad_norm_
 
     @functools.wraps(replaced)
     def clip_grad_norm_(
-        parameters: torch.Tensor | Iterable[torch.Tensor],
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
+        parameters: torch.Tensor | Iterable[torch.Tensor], *args: object, **kwargs: object
     ) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         clip = replaced
         if any(isinstance(p.grad, DTensor) for p in params):
             clip = _clip_grad.clip_grad_norm_
-        return clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return clip(params, *args, **kwargs)
 
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 

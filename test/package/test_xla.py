@@ -185,12 +185,12 @@ class TestFullyShardXLARegistration(TestCase):
             plain = torch.nn.Parameter(torch.ones(2))
             plain.grad = torch.ones(2)
             installed([plain], 1.0)
-            replaced.assert_called_once_with([plain], 1.0, 2.0, False, None)
+            replaced.assert_called_once_with([plain], 1.0)
             ours.assert_not_called()
             # only the gradient's type is read before the call
             sharded = types.SimpleNamespace(grad=mock.Mock(spec=DTensor))
             installed(iter([plain, sharded]), 0.5, norm_type=1.0, foreach=True)
-            ours.assert_called_once_with([plain, sharded], 0.5, 1.0, False, True)
+            ours.assert_called_once_with([plain, sharded], 0.5, norm_type=1.0, foreach=True)
             self.assertEqual(replaced.call_count, 1)
 
     def test_backend_reduces_with_sum(self):
