@@ -78,13 +78,14 @@ class VendorError(RuntimeError):
 
 @dataclass(frozen=True)
 class Rewrite:
-    """A literal replacement in one generated file, ``count`` times exactly; on every
-    base, or only on ``bases`` (where the upstream files differ)."""
+    """A literal replacement in one generated file, ``count`` times exactly (or
+    any of the counts of a tuple, where positions of the series differ); on
+    every base, or only on ``bases`` (where the upstream files differ)."""
 
     file: str
     old: str
     new: str
-    count: int
+    count: int | tuple[int, ...]
     why: str
     bases: tuple[str, ...] | None = None
 
@@ -227,7 +228,9 @@ REWRITES: tuple[Rewrite, ...] = (
             "_fsdp_param_group.py",
             f"\n    def {method}(",
             f"\n    @_outside_autograd_context\n    def {method}(",
-            1,
+            # FSDPParamGroup's, and from the per-parameter PRs on, the
+            # override of PerParamFSDPParamGroup
+            (1, 2),
             "c10d's exit abort (docs/upstream-gloo-exit-abort.md): both "
             "collective modes issue their collectives without autograd's "
             "stashed context, see _exit_guard.py",
@@ -530,7 +533,7 @@ def rewrite(name: str, text: str, version: str) -> str:
         if rw.file != name:
             continue
         found = text.count(rw.old)
-        if found != rw.count:
+        if found not in (rw.count if isinstance(rw.count, tuple) else (rw.count,)):
             raise VendorError(
                 f"rewrite of {name} (torch {version}) expected {rw.count} "
                 f"occurrence(s) of {rw.old!r}, "

@@ -28,44 +28,50 @@ from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 
+def _each_pair(
+    comm: Callable[..., Any],
+    output_tensors: list[torch.Tensor],
+    input_tensors: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    *args: Any,
+) -> None:
+    # FSDP's own tensors, straight to ``__call__`` (the default comms' memory)
+    for output_tensor, input_tensor in zip(output_tensors, input_tensors, strict=True):
+        comm(output_tensor, input_tensor, group, *args)
+
+
 def _coalesced(
-    one_by_one: Callable[..., None],
+    comm: Callable[..., Any],
     output_tensors: list[torch.Tensor],
     input_tensors: list[torch.Tensor],
     group: dist.ProcessGroup,
     *args: Any,
 ) -> None:
     if len({t.dtype for t in input_tensors}) > 1:
-        one_by_one(output_tensors, input_tensors, group, *args)
+        _each_pair(comm, output_tensors, input_tensors, group, *args)
         return
     with dist.distributed_c10d._coalescing_manager(group):
-        one_by_one(output_tensors, input_tensors, group, *args)
+        _each_pair(comm, output_tensors, input_tensors, group, *args)
 
 
 class CoalescedAllGather(DefaultAllGather):
     def foreach(self, output_tensors, input_tensors, group, async_op=False):
-        _coalesced(
-            lambda *args: AllGather.foreach(self, *args), output_tensors, input_tensors, group
-        )
+        _coalesced(self, output_tensors, input_tensors, group)
 
 
 class CoalescedReduceScatter(DefaultReduceScatter):
     def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
-        _coalesced(
-            lambda *args: ReduceScatter.foreach(self, *args),
-            output_tensors,
-            input_tensors,
-            group,
-            op,
-        )
+        _coalesced(self, output_tensors, input_tensors, group, op)
 
 
 class OneByOneAllGather(DefaultAllGather):
-    foreach = AllGather.foreach
+    def foreach(self, output_tensors, input_tensors, group, async_op=False):
+        _each_pair(self, output_tensors, input_tensors, group)
 
 
 class OneByOneReduceScatter(DefaultReduceScatter):
-    foreach = ReduceScatter.foreach
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        _each_pair(self, output_tensors, input_tensors, group, op)
 
 
 COALESCED = FSDPBackend(
