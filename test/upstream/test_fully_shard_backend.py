@@ -82,9 +82,14 @@ class RecordingReduceScatter(ReduceScatter):
 
 
 class GradientReadingReduceScatter(RecordingReduceScatter):
-    """Opts in to receiving gradients themselves as inputs."""
+    """Takes FSDP's tensors: its ``foreach`` skips the copy through
+    ``allocate``."""
 
-    accepts_gradient_input = True
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        for output_tensor, input_tensor in zip(
+            output_tensors, input_tensors, strict=True
+        ):
+            self(output_tensor, input_tensor, group, op)
 
 
 class ForeachAllGather(RecordingAllGather):
@@ -236,10 +241,10 @@ class TestFullyShardBackendDefaults(TestCase):
     def test_backend_comm_gets_gradients_themselves(
         self, comm_cls: type[ReduceScatter]
     ):
-        """Tests that in per-parameter mode a backend's reduce-scatter that
-        sets ``accepts_gradient_input`` receives each gradient computed by
-        autograd itself (same storage), and that one that does not (the
-        default) receives none of them."""
+        """Tests that in per-parameter mode a backend's reduce-scatter whose
+        ``foreach`` takes FSDP's tensors receives each gradient computed by
+        autograd itself (same storage), and that one that defines only
+        ``allocate`` and ``__call__`` receives none of them."""
         backend = FSDPBackend(
             group_collectives=False,
             all_gather_comm=RecordingAllGather,
@@ -260,7 +265,7 @@ class TestFullyShardBackendDefaults(TestCase):
             comm.input_data_ptrs.clear()
             model(inp).sum().backward()
             self.assertEqual(len(comm.input_data_ptrs), len(fsdp_params))
-            if comm_cls.accepts_gradient_input:
+            if comm_cls is GradientReadingReduceScatter:
                 self.assertEqual(sorted(comm.input_data_ptrs), sorted(grad_data_ptrs))
             else:
                 allocated = {t.data_ptr() for t in comm.allocated}
@@ -393,7 +398,7 @@ def _per_param_two_blocks_with_foreach_comms() -> list[
     for module in model.modules():
         if isinstance(module, FSDPModule):
             for group in module._get_fsdp_state()._fsdp_param_groups:
-                group.group_collectives = False
+                group._set_group_collectives(False)
     model(torch.randn(4, 8, device=device_type)).sum().backward()
     return comms
 
