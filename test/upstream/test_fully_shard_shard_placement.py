@@ -210,55 +210,89 @@ class TestFullyShardShardPlacementResultMesh(_MoEMeshTestCase):
         )
 
 
-class _PerGroupBufferAllGather(AllGather):
-    """A stateful comm: it gathers into a staging buffer of its own per process
-    group, kept across calls and grown as needed, then copies out."""
+class _GroupAllocAllGather(AllGather):
+    """Allocates from the process group it was made for, as
+    ``ProcessGroupAllocAllGather`` does, and refuses to serve another."""
 
-    def __init__(self):
-        self.buffers: dict[dist.ProcessGroup, torch.Tensor] = {}
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.calls = 0
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        buffer = self.buffers.get(group)
-        if buffer is None or buffer.numel() < output_tensor.numel():
-            buffer = self.buffers[group] = torch.empty_like(output_tensor)
-        staging = buffer[: output_tensor.numel()]
-        dist.all_gather_into_tensor(staging, input_tensor, group)
-        output_tensor.copy_(staging)
+        if group is not self.group:
+            raise AssertionError(
+                f"made for a group of size {self.group.size()}, called with one "
+                f"of size {group.size()}"
+            )
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group)
 
 
 class TestFullyShardShardPlacementResultCustomComms(_MoEMeshTestCase):
-    def test_custom_comms_serve_every_mesh_group(self):
+    def test_custom_comm_factory_makes_a_comm_per_mesh_group(self):
         """Tests that ``set_custom_all_gather`` and ``set_custom_reduce_scatter``
-        with ``all_param_groups=True`` on a module with experts on another
-        mesh use the comm for both param groups, each called with its own process group, so that a stateful
-        comm keeps a buffer per group, and that with it and
-        ``DeterministicReduceScatter`` both collective modes give the same bits."""
+        with a factory on a module with experts on another mesh make one comm
+        per param group, for that group's process group, which serves only
+        it, and that with ``DeterministicReduceScatter`` both collective modes
+        give the same bits."""
         world_mesh = init_device_mesh(
             device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
         )
-        all_gathers: list[_PerGroupBufferAllGather] = []
+        all_gathers: list[_GroupAllocAllGather] = []
+
+        def make_all_gather(group: dist.ProcessGroup) -> _GroupAllocAllGather:
+            all_gathers.append(_GroupAllocAllGather(group))
+            return all_gathers[-1]
 
         def set_comms(model):
-            all_gathers.append(_PerGroupBufferAllGather())
-            reduce_scatter = DeterministicReduceScatter()
-            model.set_custom_all_gather(all_gathers[-1], all_param_groups=True)
-            model.set_custom_reduce_scatter(reduce_scatter, all_param_groups=True)
-            for param_group in model._get_fsdp_state()._fsdp_param_groups:
-                self.assertIs(param_group._all_gather_comm, all_gathers[-1])
-                self.assertIs(param_group._reduce_scatter_comm, reduce_scatter)
+            model.set_custom_all_gather(make_all_gather)
+            model.set_custom_reduce_scatter(lambda group: DeterministicReduceScatter())
+            param_groups = model._get_fsdp_state()._fsdp_param_groups
+            self.assertEqual(len(param_groups), 2)
+            for param_group in param_groups:
+                comm = param_group._all_gather_comm
+                self.assertIs(comm.group, param_group._all_gather_process_group)
+                self.assertIsInstance(
+                    param_group._reduce_scatter_comm, DeterministicReduceScatter
+                )
 
         self._train_both_modes(
             init_device_mesh(device_type.type, (self.world_size,)),
             ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"]),
             set_comms,
         )
-        for all_gather in all_gathers:
-            self.assertEqual(
-                sorted(group.size() for group in all_gather.buffers), [2, 4]
-            )
+        self.assertEqual(
+            sorted(all_gather.group.size() for all_gather in all_gathers), [2, 2, 4, 4]
+        )
+        self.assertTrue(all(all_gather.calls for all_gather in all_gathers))
+
+    def test_shared_comm_on_several_mesh_groups_raises(self):
+        """Tests that one comm for a module with a param group per mesh raises,
+        naming the factory form, since a comm that allocates from one process
+        group would serve the other's collectives; and that a factory that
+        makes no comm raises a ``TypeError``."""
+        world_mesh = init_device_mesh(
+            device_type.type, (2, 2), mesh_dim_names=("efsdp", "ep")
+        )
+        model = fully_shard(
+            _MoEBlock(8),
+            mesh=init_device_mesh(device_type.type, (self.world_size,)),
+            shard_placement_fn=lambda p: (
+                ShardPlacementResult(Shard(1), mesh=world_mesh["efsdp"])
+                if _is_expert(p)
+                else None
+            ),
+        )
+        group = model._get_fsdp_state()._fsdp_param_groups[0]._all_gather_process_group
+        with self.assertRaisesRegex(ValueError, "pass a factory"):
+            model.set_custom_all_gather(_GroupAllocAllGather(group))
+        with self.assertRaisesRegex(ValueError, "pass a factory"):
+            model.set_custom_reduce_scatter(DeterministicReduceScatter())
+        with self.assertRaisesRegex(TypeError, "which is not a AllGather"):
+            model.set_custom_all_gather(lambda group: None)
 
 
 class TestFullyShardShardPlacementResultValidation(_MoEMeshTestCase):
