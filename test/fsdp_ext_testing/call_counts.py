@@ -1,14 +1,26 @@
-"""The Python calls made inside FSDP's own files during one steady training
-step, per function: torch's own FSDP2 against the generated copy.
+"""What runs inside FSDP's own files during one steady training step:
+executed lines, Python calls and builtin calls, torch's own FSDP2 against the
+generated copy.
 
-Shared by ``test/package/test_call_counts.py`` (grouped mode makes exactly
-torch's calls) and ``tools/probes/count_fsdp_calls.py`` (the per-function
-table). A call is a ``'call'`` event of ``sys.setprofile`` (a Python frame
-starting or a generator resuming; generator expressions and lambdas are
-frames too) whose code lies in a directory named ``_fully_shard``: torch's
-``torch/distributed/fsdp/_fully_shard/`` or the package's
-``torch_fsdp_ext/_fully_shard/``. A call is keyed by (file name,
-``co_qualname``), so that the two copies compare function by function.
+Shared by ``test/package/test_call_counts.py`` (grouped mode runs exactly
+torch's lines, Python calls and builtin calls) and
+``tools/probes/count_fsdp_calls.py`` (the per-key table). Code counts when it lies in a directory named
+``_fully_shard``: torch's ``torch/distributed/fsdp/_fully_shard/`` or the
+package's ``torch_fsdp_ext/_fully_shard/``. Three counters, each keyed so
+that the two copies compare function by function and lines moved by a patch
+still match:
+
+- ``lines``: ``'line'`` events of ``sys.settrace`` (a line starting, or a
+  loop jumping back to it), keyed by (file name, ``co_qualname``, the line's
+  stripped source text, with the package's op namespace and self-imports
+  rewritten back to torch's: :data:`PACKAGE_TEXT_REWRITES`);
+- ``calls``: ``'call'`` events of ``sys.setprofile`` (a Python frame starting
+  or a generator resuming; generator expressions and lambdas are frames too),
+  keyed by (file name, ``co_qualname``);
+- ``builtins``: ``'c_call'`` events of ``sys.setprofile`` made from those
+  files (a builtin function or method: ``isinstance``, ``Tensor.size``,
+  ``torch.empty``), keyed by the caller's (file name, ``co_qualname``) and
+  the builtin's name (:func:`builtin_name`).
 
 Single process, CPU, over the fake process group (collectives move no data
 and complete at once): :func:`init_fake_process_group` first,
@@ -21,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 import os
 import sys
 from collections import Counter
@@ -44,6 +57,21 @@ SEED = 42
 
 # (file name, qualified name) of a function in a ``_fully_shard`` directory
 CallKey = tuple[str, str]
+# (file name, qualified name, stripped source text) of a line of such a function
+LineKey = tuple[str, str, str]
+# (file name, qualified name) of the calling function, then the builtin's name
+BuiltinKey = tuple[str, str, str]
+COUNTERS = ("lines", "calls", "builtins")
+
+# The package's rewrites of the generated copy (``REWRITES`` in
+# torch_fsdp_ext/_vendor.py) that change lines a step runs, undone in its
+# line texts: its ops live in their own namespace, and its absolute
+# self-imports name the package. Any other rewritten line shows as a
+# difference.
+PACKAGE_TEXT_REWRITES = (
+    ("torch.ops.fsdp_ext.", "torch.ops.fsdp."),
+    ("from torch_fsdp_ext._fully_shard.", "from torch.distributed.fsdp._fully_shard."),
+)
 
 
 def init_fake_process_group() -> None:
@@ -151,22 +179,53 @@ def _in_fully_shard_dir(code: CodeType) -> bool:
     return os.path.basename(os.path.dirname(code.co_filename)) == "_fully_shard"
 
 
-@contextlib.contextmanager
-def counting_fsdp_calls() -> Iterator[Counter[CallKey]]:
-    """Counts, on this thread, every Python call into a ``_fully_shard``
-    directory while the block runs (autograd's CPU backward runs here too);
-    restores the previous profile function after."""
-    counts: Counter[CallKey] = Counter()
-    keys: dict[CodeType, CallKey | None] = {}
+def builtin_name(func: Any) -> str:
+    """``isinstance``; ``Tensor.size`` or ``list.append`` for a method;
+    ``torch.empty`` or ``torch._C._get_tracing_state`` for a module's function."""
+    module = getattr(func, "__module__", None)
+    if module is None:
+        return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    name = getattr(func, "__name__", repr(func))
+    return name if module == "builtins" else f"{module}.{name}"
 
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call":
-            return
-        code = frame.f_code
+
+@dataclass
+class StepCounts:
+    """The three counters of one step (see the module docstring)."""
+
+    lines: Counter[LineKey] = field(default_factory=Counter)
+    calls: Counter[CallKey] = field(default_factory=Counter)
+    builtins: Counter[BuiltinKey] = field(default_factory=Counter)
+
+    def counter(self, name: str) -> Counter[tuple[str, ...]]:
+        return getattr(self, name)
+
+    def totals(self) -> dict[str, int]:
+        return {name: self.counter(name).total() for name in COUNTERS}
+
+    def flat(self) -> Counter[tuple[str, ...]]:
+        """One counter, each key prefixed with its counter's name."""
+        return Counter(
+            {(name, *key): n for name in COUNTERS for key, n in self.counter(name).items()}
+        )
+
+
+@contextlib.contextmanager
+def counting_fsdp_execution() -> Iterator[StepCounts]:
+    """Counts, on this thread, the lines, Python calls and builtin calls run in
+    a ``_fully_shard`` directory while the block runs (autograd's CPU backward
+    runs here too); restores the previous trace and profile functions after.
+    Only frames of those files get a local trace function, so other code
+    reports no line events."""
+    counts = StepCounts()
+    functions: dict[CodeType, CallKey | None] = {}
+    line_keys: dict[tuple[CodeType, int], LineKey] = {}
+
+    def function_key(code: CodeType) -> CallKey | None:
         try:
-            key = keys[code]
+            return functions[code]
         except KeyError:
-            key = keys[code] = (
+            key = functions[code] = (
                 (
                     os.path.basename(code.co_filename),
                     getattr(code, "co_qualname", code.co_name),
@@ -174,38 +233,74 @@ def counting_fsdp_calls() -> Iterator[Counter[CallKey]]:
                 if _in_fully_shard_dir(code)
                 else None
             )
-        if key is not None:
-            counts[key] += 1
+            return key
 
-    previous = sys.getprofile()
+    def trace_lines(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            code, lineno = frame.f_code, frame.f_lineno
+            try:
+                key = line_keys[code, lineno]
+            except KeyError:
+                text = linecache.getline(code.co_filename, lineno).strip()
+                for old, new in PACKAGE_TEXT_REWRITES:
+                    text = text.replace(old, new)
+                key = line_keys[code, lineno] = (*functions[code], text)
+            counts.lines[key] += 1
+        return trace_lines
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        # The global trace function sees only 'call' events
+        return trace_lines if function_key(frame.f_code) is not None else None
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            key = function_key(frame.f_code)
+            if key is not None:
+                counts.calls[key] += 1
+        elif event == "c_call":
+            key = function_key(frame.f_code)
+            if key is not None:
+                counts.builtins[(*key, builtin_name(arg))] += 1
+
+    previous_trace, previous_profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(trace)
     sys.setprofile(profile)
     try:
         yield counts
     finally:
-        sys.setprofile(previous)
+        sys.setprofile(previous_profile)
+        sys.settrace(previous_trace)
 
 
-def count_steady_step_calls(impl: Implementation, config: StepConfig) -> Counter[CallKey]:
+def count_steady_step(impl: Implementation, config: StepConfig) -> StepCounts:
     """Builds and shards the model with ``impl``, runs ``WARMUP_STEPS`` steps
-    with SGD, and returns the calls of the next one."""
+    with SGD, and returns the counts of the next one."""
     model = build_model(impl, config)
     optim = torch.optim.SGD(model.parameters(), lr=1e-2)
     for step in range(WARMUP_STEPS):
         train_step(model, optim, config, step)
-    with counting_fsdp_calls() as counts:
+    with counting_fsdp_execution() as counts:
         train_step(model, optim, config, WARMUP_STEPS)
     return counts
 
 
-def format_key(key: CallKey) -> str:
-    return f"{key[0]}:{key[1]}"
+def format_key(key: tuple[str, ...]) -> str:
+    """``file:qualname``, then the line's text or the builtin's name in
+    backquotes, if any."""
+    file, qualname, *rest = key
+    return f"{file}:{qualname}" + "".join(f" `{part}`" for part in rest)
 
 
-def count_differences(reference: Counter[CallKey], ours: Counter[CallKey]) -> list[str]:
-    """``file:function: reference -> ours`` for every function whose count
-    differs, sorted."""
+def count_differences(
+    reference: StepCounts, ours: StepCounts, names: tuple[str, str] = ("torch", "grouped")
+) -> list[str]:
+    """``counter file:qualname [`text` or `builtin`]: <names[0]> n, <names[1]> m``
+    for every key of every counter whose count differs, sorted by counter
+    (lines, calls, builtins), then key."""
     return [
-        f"{format_key(key)}: {reference[key]} -> {ours[key]}"
-        for key in sorted(reference.keys() | ours.keys())
-        if reference[key] != ours[key]
+        f"{name} {format_key(key)}: {names[0]} {reference.counter(name)[key]}, "
+        f"{names[1]} {ours.counter(name)[key]}"
+        for name in COUNTERS
+        for key in sorted(reference.counter(name).keys() | ours.counter(name).keys())
+        if reference.counter(name)[key] != ours.counter(name)[key]
     ]
