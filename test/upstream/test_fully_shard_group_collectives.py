@@ -294,12 +294,17 @@ class TestFullyShardGroupCollectivesUserGradients(_ParityTestCase):
         reduce-scatter input in place before the reduction (an fp16 reduce
         dtype), as grouped mode divides only its own buffer; and that the
         reduced gradients are bitwise grouped mode's."""
-        for mp_policy in (
-            MixedPrecisionPolicy(),
-            MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16),
-        ):
-            with self.subTest(mp_policy=mp_policy):
-                self._test_kept_gradient_unchanged(mp_policy)
+        self.run_subtests(
+            {
+                "mp_policy": [
+                    MixedPrecisionPolicy(),
+                    MixedPrecisionPolicy(
+                        param_dtype=torch.float16, reduce_dtype=torch.float16
+                    ),
+                ]
+            },
+            self._test_kept_gradient_unchanged,
+        )
 
     def _test_kept_gradient_unchanged(self, mp_policy: MixedPrecisionPolicy):
         models = _copies_of_two_block_model(8, [False, True], mp_policy=mp_policy)
@@ -597,9 +602,10 @@ class TestFullyShardGroupCollectivesAsyncUnshard(_ParityTestCase):
         counters as they were before the unshard once waited on (autograd may
         have saved the parameters), with the default comm and with one that
         returns its all-gathers in flight."""
-        for comm_cls in (None, _BatchingAllGather):
-            with self.subTest(comm=getattr(comm_cls, "__name__", None)):
-                self._test_unshard_async_op_matches_grouped(comm_cls)
+        self.run_subtests(
+            {"comm_cls": [None, _BatchingAllGather]},
+            self._test_unshard_async_op_matches_grouped,
+        )
 
     def _test_unshard_async_op_matches_grouped(self, comm_cls):
         models = _copies_of_two_block_model(8, [False, True])
@@ -636,21 +642,26 @@ class TestFullyShardGroupCollectivesAsyncUnshard(_ParityTestCase):
         with one that returns its all-gathers in flight. Resharding after
         forward, backward all-gathers again into the parameters that autograd
         saved in forward, so their version counters must not change."""
-        for comm_cls in (None, _BatchingAllGather):
-            for reshard_after_forward in (True, False):
-                with self.subTest(
-                    comm=getattr(comm_cls, "__name__", None),
-                    reshard_after_forward=reshard_after_forward,
-                ):
-                    models = _copies_of_two_block_model(
-                        8, [False, True], reshard_after_forward=reshard_after_forward
-                    )
-                    for model in models:
-                        model._set_unshard_async_op(True)
-                    if comm_cls is not None:
-                        for module in (*models[0], models[0]):
-                            module.set_custom_all_gather(comm_cls())
-                    _train_and_compare(self, models, 8)
+        self.run_subtests(
+            {
+                "comm_cls": [None, _BatchingAllGather],
+                "reshard_after_forward": [True, False],
+            },
+            self._test_set_unshard_async_op_matches_grouped,
+        )
+
+    def _test_set_unshard_async_op_matches_grouped(
+        self, comm_cls, reshard_after_forward: bool
+    ):
+        models = _copies_of_two_block_model(
+            8, [False, True], reshard_after_forward=reshard_after_forward
+        )
+        for model in models:
+            model._set_unshard_async_op(True)
+        if comm_cls is not None:
+            for module in (*models[0], models[0]):
+                module.set_custom_all_gather(comm_cls())
+        _train_and_compare(self, models, 8)
 
 
 class TestFullyShardGroupCollectivesParity(_ParityTestCase):

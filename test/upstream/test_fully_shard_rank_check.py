@@ -2,8 +2,6 @@
 
 import contextlib
 import datetime
-import os
-import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -129,15 +127,21 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         ranks, before any FSDP collective, for each field that drives the
         collectives."""
         mesh = init_device_mesh(device_type.type, (self.world_size,))
-        for case, (field, kwargs_of) in self._per_rank_cases().items():
-            with self.subTest(case=case):
-                model = _shard(_model(), mesh=mesh, **kwargs_of(self.rank))
-                with self.assertRaisesRegex(
-                    ValueError,
-                    f"module '.*' on the mesh of ranks \\[0, 1\\]: .*{field}.* on rank "
-                    "\\d but .* on rank \\d",
-                ):
-                    model(torch.randn(2, 8, device=device_type))
+        self.run_subtests(
+            {"case": list(self._per_rank_cases())},
+            self._test_mismatch_raises_on_every_rank,
+            mesh=mesh,
+        )
+
+    def _test_mismatch_raises_on_every_rank(self, case: str, mesh):
+        field, kwargs_of = self._per_rank_cases()[case]
+        model = _shard(_model(), mesh=mesh, **kwargs_of(self.rank))
+        with self.assertRaisesRegex(
+            ValueError,
+            f"module '.*' on the mesh of ranks \\[0, 1\\]: .*{field}.* on rank "
+            "\\d but .* on rank \\d",
+        ):
+            model(torch.randn(2, 8, device=device_type))
 
     def test_shape_mismatch_names_sharded_shape(self):
         """Tests that a parameter of another size on one rank is named with
@@ -205,20 +209,28 @@ class TestFullyShardRankCheck(FSDPTestMultiThread):
         ``TORCH_DISTRIBUTED_DEBUG`` at ``INFO`` or ``DETAIL``, and exchanges its
         digest once at lazy init when set."""
         mesh = init_device_mesh(device_type.type, (self.world_size,))
-        for check, level, expected_calls in (
-            (None, dist.DebugLevel.OFF, 0),
-            (None, dist.DebugLevel.INFO, 0),
-            (None, dist.DebugLevel.DETAIL, 0),
-            (True, dist.DebugLevel.OFF, 1),
+        self.run_subtests(
+            {
+                "check_level_calls": [
+                    (None, dist.DebugLevel.OFF, 0),
+                    (None, dist.DebugLevel.INFO, 0),
+                    (None, dist.DebugLevel.DETAIL, 0),
+                    (True, dist.DebugLevel.OFF, 1),
+                ]
+            },
+            self._test_off_unless_set,
+            mesh=mesh,
+        )
+
+    def _test_off_unless_set(self, check_level_calls, mesh):
+        check, level, expected_calls = check_level_calls
+        model = _shard(_model(), check=check, mesh=mesh)
+        with (
+            _debug_level(level, self.rank),
+            _recording_all_gather_object(self.rank) as calls,
         ):
-            with self.subTest(check=check, level=level):
-                model = _shard(_model(), check=check, mesh=mesh)
-                with (
-                    _debug_level(level, self.rank),
-                    _recording_all_gather_object(self.rank) as calls,
-                ):
-                    model(torch.randn(2, 8, device=device_type)).sum().backward()
-                self.assertEqual(len(calls), expected_calls)
+            model(torch.randn(2, 8, device=device_type)).sum().backward()
+        self.assertEqual(len(calls), expected_calls)
 
     def test_frozen_parameter_on_one_rank_raises(self):
         """Tests that a parameter frozen on one rank only, which would skip its
@@ -343,31 +355,25 @@ class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):
             out.sum().backward()
         dist.destroy_process_group()
 
-    def test_change_on_one_rank_raises(self):
-        """Tests that ``set_group_collectives`` on one rank only ends in a Python
-        error within the process-group timeout: the changed rank's re-check
-        waits on the store, not in a collective that would pair with the other
-        rank's all-gather (a native abort on gloo), and names the fix."""
-        self._init_process_group(datetime.timedelta(seconds=5))
+    def test_different_changes_on_each_rank_raise(self):
+        """Tests that a change after lazy init that leaves the ranks issuing
+        different collectives (``set_group_collectives`` on one rank,
+        ``set_reshard_after_forward`` on the other) raises a ``ValueError`` on
+        every rank at the next forward, from the re-check through the store,
+        before any FSDP collective of that forward."""
+        self._init_process_group(datetime.timedelta(seconds=60))
         mesh = init_device_mesh("cpu", (self.world_size,))
         model = _shard(_model(), mesh=mesh)
         model(torch.randn(2, 8)).sum().backward()
         if self.rank == 0:
             model.set_group_collectives(False)
-            with self.assertRaisesRegex(
-                ValueError,
-                "rank 0 changed how it communicates .* ranks \\[1\\] .* every rank",
-            ):
-                model(torch.randn(2, 8))
         else:
-            # Its all-gather has no peer: gloo's timeout
-            with self.assertRaisesRegex(RuntimeError, "[Tt]imed out"):
-                model(torch.randn(2, 8))
-        # Skip interpreter teardown, where gloo's worker threads may still
-        # hold tensors of the failed collective
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+            model[0].set_reshard_after_forward(False, recurse=False)
+        with self.assertRaisesRegex(
+            ValueError, "FSDP ranks would issue different collectives"
+        ):
+            model(torch.randn(2, 8))
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
