@@ -155,9 +155,9 @@ def _make_fully_shard(settings: FSDPExtSettings) -> Callable[..., Any]:
         sharded = torch_fsdp_ext.fully_shard(module, **kwargs)
         if settings.deterministic_reduce_scatter:
             for m in module if isinstance(module, list) else [module]:
-                # Every param group: MoE blocks have one per mesh
+                # One per param group: MoE blocks have one per mesh
                 m.set_custom_reduce_scatter(
-                    torch_fsdp_ext.DeterministicReduceScatter(), all_param_groups=True
+                    lambda group: torch_fsdp_ext.DeterministicReduceScatter()
                 )
         return sharded
 

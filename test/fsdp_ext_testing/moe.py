@@ -354,16 +354,23 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _deterministic_reduce_scatter_for(group: object) -> torch_fsdp_ext.DeterministicReduceScatter:
+    return torch_fsdp_ext.DeterministicReduceScatter()
+
+
 def set_deterministic_reduce_scatter(model: nn.Module) -> None:
     """Give every FSDP module ``DeterministicReduceScatter``; with per-parameter
     meshes it serves each parameter group on that group's mesh."""
     for module in model.modules():
         if isinstance(module, torch_fsdp_ext.FSDPModule):
             # Several param groups (per-parameter meshes, which torch 2.9's
-            # series lacks) take the comm only with the opt-in
+            # series lacks) take a comm factory, one comm per group
             groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", ())
-            kwargs = {"all_param_groups": True} if len(groups) > 1 else {}
-            module.set_custom_reduce_scatter(torch_fsdp_ext.DeterministicReduceScatter(), **kwargs)
+            module.set_custom_reduce_scatter(
+                _deterministic_reduce_scatter_for
+                if len(groups) > 1
+                else torch_fsdp_ext.DeterministicReduceScatter()
+            )
 
 
 class FSDPCollectiveTrace(CommRecorder):
