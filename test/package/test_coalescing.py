@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_ext_testing.coalescing import COALESCED
 from fsdp_ext_testing.comm_recorder import CommRecorder
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 DEVICE = torch.device("cpu")
@@ -271,14 +272,15 @@ class _OwnMemoryMixin:
         return any(t.untyped_storage()._cdata == storage for t in self.allocated)
 
 
-# A comm that overrides ``allocate`` sets the opt-in it inherits back to
-# ``False`` (FSDP reads it as a plain attribute)
-class _OwnMemoryAllGather(_OwnMemoryMixin, DefaultAllGather):
-    accepts_parameter_output = False
+# A comm that places its memory itself derives from the interface, whose
+# ``foreach`` copies through ``allocate``, not from the default comm, whose
+# ``foreach`` hands ``__call__`` FSDP's own tensors
+class _OwnMemoryAllGather(_OwnMemoryMixin, AllGather):
+    __call__ = DefaultAllGather.__call__
 
 
-class _OwnMemoryReduceScatter(_OwnMemoryMixin, DefaultReduceScatter):
-    accepts_gradient_input = False
+class _OwnMemoryReduceScatter(_OwnMemoryMixin, ReduceScatter):
+    __call__ = DefaultReduceScatter.__call__
 
 
 class _CollectiveTensors(TorchDispatchMode):

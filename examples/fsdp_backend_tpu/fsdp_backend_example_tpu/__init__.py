@@ -7,9 +7,9 @@ point. Its package would carry this module, and its autoload hook would call
 ``pyproject.toml``), so nothing in a training script changes. On TPU, copies into
 group-wide buffers are costly, hence ``group_collectives=False`` by default.
 
-The comms own every buffer FSDP hands them (``allocate``) and receive each
-parameter group's per-parameter collectives in one ``foreach`` call, which they
-issue as one fused collective, as TorchTPU's ``torch.ops.tpu._reduce_scatter_dim``
+The comms receive each parameter group's per-parameter collectives in one
+``foreach`` call, on FSDP's own tensors, and issue them as one fused
+collective over buffers from their own ``allocate``, as TorchTPU's ``torch.ops.tpu._reduce_scatter_dim``
 or a torchcomms batch would. Here the fused collectives are c10d calls over
 packed buffers, so the example runs on CPU with gloo:
 
