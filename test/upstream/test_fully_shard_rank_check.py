@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import gc
 from collections.abc import Callable, Iterator
 
 import torch
@@ -353,6 +354,10 @@ class TestFullyShardRankCheckChangeOnOneRank(MultiProcessTestCase):
             # The root keeps its parameters unsharded after forward
             self.assertFalse(torch.equal(linear.weight.detach(), weight))
             out.sum().backward()
+        # Drop the last references to DETAIL's wrapped process groups, so that
+        # their worker threads are joined before the interpreter exits
+        del linear, out, mesh
+        gc.collect()
         dist.destroy_process_group()
 
     def test_different_changes_on_each_rank_raise(self):
