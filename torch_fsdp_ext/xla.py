@@ -280,16 +280,101 @@ def _chunk_cat(
 
 
 _ORIGINAL_STORAGE_FNS = (_fsdp_param.alloc_storage, _fsdp_param.free_storage)
+_ORIGINAL_PARAM_METHODS = (
+    _fsdp_param.FSDPParam.init_unsharded_param,
+    _fsdp_param.FSDPParam.free_unsharded_param,
+)
+
+# An ``xla`` tensor has no resizable storage: it is a handle to device data
+# (or to the pending graph that computes it). Freeing it means pointing it at
+# a one-element placeholder, so that its device data has no holder left and
+# XLA releases it (as torch_xla's own FSDP frees its full parameters), and
+# allocating means giving it a value of its size again, which the all-gather
+# then overwrites. ``_FREED_SIZE`` is the attribute that keeps the size of a
+# freed tensor (its shape is the placeholder's until then).
+_FREED_SIZE = "_fsdp_ext_xla_freed_size"
+_placeholders: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    key = (tensor.device, tensor.dtype)
+    if key not in _placeholders:
+        _placeholders[key] = torch.zeros(1, dtype=tensor.dtype, device=tensor.device)
+    return _placeholders[key]
+
+
+def _replace_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    import torch_xla
+
+    # not a write autograd must see: FSDP's unsharded parameters are saved
+    # for backward, and it gives them their data again before backward reads it
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
+        torch_xla._XLAC._replace_xla_tensor(tensor, data)
+
+
+def _xla_free(tensor: torch.Tensor) -> None:
+    if getattr(tensor, _FREED_SIZE, None) is None:
+        setattr(tensor, _FREED_SIZE, tensor.size())
+        _replace_data(tensor, _placeholder(tensor))
+
+
+def _xla_alloc(tensor: torch.Tensor) -> None:
+    size = getattr(tensor, _FREED_SIZE, None)
+    if size is not None:
+        setattr(tensor, _FREED_SIZE, None)
+        _replace_data(tensor, torch.empty(size, dtype=tensor.dtype, device=tensor.device))
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:
-    if tensor.device.type != "xla":
+    if tensor.device.type == "xla":
+        _xla_alloc(tensor)
+    else:
         _ORIGINAL_STORAGE_FNS[0](tensor)
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
-    if tensor.device.type != "xla":
+    if tensor.device.type == "xla":
+        _xla_free(tensor)
+    else:
         _ORIGINAL_STORAGE_FNS[1](tensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _free_unsharded_param(self, *args, **kwargs) -> None:
+    """``FSDPParam.free_unsharded_param``, which on ``xla`` also frees the
+    unsharded parameter itself and the all-gather outputs at once.
+
+    On a device with storage, the unsharded parameter is a view of the
+    all-gather output's storage, so freeing the output frees both. An ``xla``
+    view holds a value of its own (the all-gather's result, viewed), which
+    freeing the output leaves alive. FSDP may defer freeing the outputs to a
+    later all-gather (for CUDA's streams); a lazy graph needs no such
+    ordering, and a deferred output would stay alive between steps.
+    """
+    _ORIGINAL_PARAM_METHODS[1](self, *args, **kwargs)
+    if self.device.type != "xla":
+        return
+    for tensor in self.all_gather_outputs:
+        _xla_free(tensor)
+    if hasattr(self, "_unsharded_param"):
+        _xla_free(_local(self._unsharded_param))
+
+
+def _init_unsharded_param(self) -> None:
+    """``FSDPParam.init_unsharded_param``, which on ``xla`` brings a freed
+    unsharded parameter back: after the all-gather wrote its output, the
+    parameter (a view of it) takes its value from the output again, and so
+    its size (a freed tensor has the placeholder's)."""
+    _ORIGINAL_PARAM_METHODS[0](self)
+    if self.device.type != "xla":
+        return
+    param = _local(self._unsharded_param)
+    if getattr(param, _FREED_SIZE, None) is not None:
+        setattr(param, _FREED_SIZE, None)
+        torch._functionalize_sync(param)
 
 
 def mesh_from_group(group: dist.ProcessGroup | None = None) -> DeviceMesh:
@@ -456,6 +541,8 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
             module.alloc_storage = _alloc_storage
         if hasattr(module, "free_storage"):
             module.free_storage = _free_storage
+    _fsdp_param.FSDPParam.free_unsharded_param = _free_unsharded_param
+    _fsdp_param.FSDPParam.init_unsharded_param = _init_unsharded_param
     dispatcher = DTensor._op_dispatcher
     if not hasattr(dispatcher.dispatch, "__wrapped__"):
         dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)
