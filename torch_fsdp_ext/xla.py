@@ -377,6 +377,65 @@ def _init_unsharded_param(self) -> None:
         torch._functionalize_sync(param)
 
 
+_ORIGINAL_INIT_SHARDED = (
+    _fsdp_param.FSDPParam._init_sharded_param,
+    _fsdp_param.FSDPParam.reset_sharded_param,
+)
+_SHARDED_DATA = "_sharded_param_data"
+
+
+def _own_shard(fsdp_param) -> None:
+    """On ``xla``, makes an unpadded sharded parameter's local tensor a
+    tensor of its own instead of a view of the padded shard.
+
+    An ``xla`` view holds a value of its own: FSDP's sharded parameter (a
+    view of its padded shard) and the flat ``_sharded_param_data`` (another
+    view, the all-gather's input) each kept a shard-sized buffer, and after
+    the optimizer wrote the parameter the padded shard still held the old
+    value: a second copy of every shard between steps. Without padding the
+    shard is the whole padded shard, so the local tensor can be the storage
+    itself and the flat view is made where FSDP reads it
+    (:func:`_sharded_param_data`), dropped after the step's graph is built.
+    A padded shard keeps FSDP's views.
+    """
+    local = fsdp_param.sharded_param._local_tensor
+    if (
+        local.device.type != "xla"
+        or local.size() != fsdp_param.padded_sharded_param_size
+        or fsdp_param.offload_to_cpu
+    ):
+        return
+    if local._base is not None:
+        local = local.detach().clone()
+        fsdp_param.sharded_param._local_tensor = local
+    fsdp_param.__dict__.pop(_SHARDED_DATA, None)
+
+
+def _init_sharded_param(self, *args, **kwargs):
+    _ORIGINAL_INIT_SHARDED[0](self, *args, **kwargs)
+    _own_shard(self)
+
+
+def _reset_sharded_param(self, *args, **kwargs):
+    _ORIGINAL_INIT_SHARDED[1](self, *args, **kwargs)
+    _own_shard(self)
+
+
+def _get_sharded_param_data(self) -> torch.Tensor:
+    data = self.__dict__.get(_SHARDED_DATA)
+    if data is None:  # an own shard on xla: a fresh flat view of it
+        return self.sharded_param._local_tensor.view(-1)
+    return data
+
+
+def _set_sharded_param_data(self, value: torch.Tensor) -> None:
+    self.__dict__[_SHARDED_DATA] = value
+
+
+#: ``FSDPParam._sharded_param_data`` on ``xla``: see :func:`_own_shard`
+_sharded_param_data = property(_get_sharded_param_data, _set_sharded_param_data)
+
+
 def mesh_from_group(group: dist.ProcessGroup | None = None) -> DeviceMesh:
     """A 1-D ``"xla"`` mesh over ``group`` (default: the world) for
     ``fully_shard(..., mesh=...)``.
@@ -543,6 +602,9 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
             module.free_storage = _free_storage
     _fsdp_param.FSDPParam.free_unsharded_param = _free_unsharded_param
     _fsdp_param.FSDPParam.init_unsharded_param = _init_unsharded_param
+    _fsdp_param.FSDPParam._init_sharded_param = _init_sharded_param
+    _fsdp_param.FSDPParam.reset_sharded_param = _reset_sharded_param
+    _fsdp_param.FSDPParam._sharded_param_data = _sharded_param_data
     dispatcher = DTensor._op_dispatcher
     if not hasattr(dispatcher.dispatch, "__wrapped__"):
         dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)
