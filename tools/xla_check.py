@@ -911,6 +911,20 @@ def _full_params(arm: str, ranks: dict) -> dict:
     return {k: torch.cat([ranks[r][k] for r in sorted(ranks)]) for k in ranks[0]}
 
 
+def _peaks(dump: Path) -> dict:
+    """The in-step peaks XLA's buffer assignment reports (``--xla_dump_to``,
+    "Stack trace breakdown for peak usage": live buffers at the peak, the
+    graph's inputs included) of every graph the run compiled: the largest,
+    and how many graphs there were (the modes that cut a step into several
+    graphs also keep buffers live across them, which this does not add)."""
+    peaks = []
+    for f in dump.glob("*buffer-assignment.txt"):
+        match = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", f.read_text())
+        if match:
+            peaks.append(int(match.group(1).replace(" ", "")))
+    return {"peak_bytes_largest_graph": max(peaks, default=0), "graphs_compiled": len(peaks)}
+
+
 def memory(args: argparse.Namespace) -> int:
     """``--memory``: each arm in its own worker; rank 0's device bytes after
     the last step, and each arm's parity (max abs diff) against the unsharded
@@ -942,11 +956,13 @@ def memory(args: argparse.Namespace) -> int:
             for option in (*_WORKER_OPTIONS, "precision", "optimizer", "world_size"):
                 cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
             cmd += ["--reshard-after-forward", args.reshard_after_forward]
+            dump = Path(tmp, f"{arm}.dump")
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
             log.info("memory: %s", arm)
             subprocess.run(cmd, env=env, check=True)
             out = torch.load(result)
             params[arm] = _full_params(arm, out["params"])
-            report["arms"][arm] = {"device_bytes": out["steps"][-1]}
+            report["arms"][arm] = {"device_bytes": out["steps"][-1], **_peaks(dump)}
     for arm, full in params.items():
         if arm == "floor":
             continue
