@@ -941,6 +941,7 @@ def memory(args: argparse.Namespace) -> int:
         "arms": {},
     }
     reference = _reference(args)
+    report["parameters"] = len(reference)
     params = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arm in arms:
@@ -974,11 +975,45 @@ def memory(args: argparse.Namespace) -> int:
         )
     if "grouped" in params and "per-param" in params:
         report["grouped_vs_per_param"] = _first_difference(params["grouped"], params["per-param"])
+    report["failures"] = _memory_failures(report)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
-    return 0
+    for failure in report["failures"]:
+        log.error("check failed: %s", failure)
+    return 1 if report["failures"] and args.check else 0
+
+
+def _memory_failures(report: dict) -> list[str]:
+    """What ``--memory --check`` enforces: each FSDP2 mode keeps after a step
+    at most torch_xla's FSDP's device bytes and at most 1.05x (sharded
+    parameters + optimizer state + batch); per-param's in-step peak is at
+    most grouped's; every parameter moved; at ``PARITY_XLA_FLAGS`` the modes
+    agree bit for bit."""
+    arms, failures = report["arms"], []
+    for mode in ("grouped", "per-param"):
+        if mode not in arms:
+            continue
+        held = arms[mode]["device_bytes"]
+        needed = held["params"] + held["optimizer_state"] + held["batch"]
+        if held["total"] > 1.05 * needed:
+            failures.append(f"{mode}: {held['total']} B after a step > 1.05 x {needed} B")
+        if "xla-fsdp" in arms and held["total"] > arms["xla-fsdp"]["device_bytes"]["total"]:
+            failures.append(f"{mode}: more device bytes after a step than torch_xla's FSDP")
+    for arm, entry in arms.items():
+        if arm != "floor" and entry["moved"] != len(_initial_names(report)):
+            failures.append(f"{arm}: {entry['moved']} parameters moved")
+    if "grouped" in arms and "per-param" in arms:
+        if arms["per-param"]["peak_bytes_largest_graph"] > arms["grouped"]["peak_bytes_largest_graph"]:
+            failures.append("per-param's in-step peak > grouped's")
+        if PARITY_XLA_FLAGS in report["xla_flags"] and report["grouped_vs_per_param"]:
+            failures.append(f"grouped vs per-param: {report['grouped_vs_per_param']}")
+    return failures
+
+
+def _initial_names(report: dict) -> range:
+    return range(report["parameters"])
 
 
 def _initial(args: argparse.Namespace) -> dict:
