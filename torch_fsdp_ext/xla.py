@@ -25,9 +25,13 @@ first ``"xla"`` mesh. It registers:
 - functionalization kernels for FSDP's ops with mutable list outputs
   (``split_with_sizes_copy``, ``chunk_cat``), which grouped collectives use
   and torch_xla's eager functionalization rejects;
-- no-op storage resizing for ``"xla"`` tensors: FSDP frees an unsharded
+- freeing without storage resizing on ``"xla"``: FSDP frees an unsharded
   parameter by resizing its storage to 0, and an XLA tensor's storage cannot
-  be resized; XLA frees device memory when the graph no longer needs it.
+  be resized, so the all-gather outputs and the unsharded parameters are
+  pointed at a one-element placeholder and given values again by the next
+  all-gather; an unpadded sharded parameter is a tensor of its own, not a
+  view of its padded shard (an XLA view holds a copy), so a rank keeps only
+  sharded state between steps (docs/xla.md, "Memory").
 
 The mesh comes from :func:`mesh_from_group`, since ``init_device_mesh`` makes
 no process groups for ``"xla"``. docs/xla.md lists
