@@ -680,7 +680,9 @@ def device_bytes(groups: dict[str, list]) -> dict[str, int]:
         except RuntimeError:  # no data: a pending graph
             _, data = xlac._get_tensors_xla_device_data_node([t])
             handles = xlac._get_tensors_handle(data) if data else []
-            return {h: d.numel() * d.element_size() for h, d in zip(handles, data)}, False
+            return {
+                h: d.numel() * d.element_size() for h, d in zip(handles, data, strict=True)
+            }, False
 
     held: dict[int, int] = {}
     read: dict[int, int] = {}
@@ -801,14 +803,21 @@ def memory_worker(args: argparse.Namespace) -> None:
                 grads = [p.grad for p in params if p.grad is not None]
                 out["steps"].append(
                     device_bytes(
-                        {"params": params, "optimizer_state": state, "grads": grads, "batch": [x, y]}
+                        {
+                            "params": params,
+                            "optimizer_state": state,
+                            "grads": grads,
+                            "batch": [x, y],
+                        }
                     )
                 )
             bed.barrier.wait()
         if arm == "xla-fsdp":
             out["params"][rank] = _xla_fsdp_full_params(model)
         elif arm == "floor":
-            out["params"][rank] = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+            out["params"][rank] = {
+                k: v.detach().float().cpu() for k, v in model.state_dict().items()
+            }
         else:
             out["params"][rank] = {
                 k: v.to_local().detach().cpu() for k, v in model.state_dict().items()
@@ -1005,7 +1014,10 @@ def _memory_failures(report: dict) -> list[str]:
         if arm != "floor" and entry["moved"] != len(_initial_names(report)):
             failures.append(f"{arm}: {entry['moved']} parameters moved")
     if "grouped" in arms and "per-param" in arms:
-        if arms["per-param"]["peak_bytes_largest_graph"] > arms["grouped"]["peak_bytes_largest_graph"]:
+        if (
+            arms["per-param"]["peak_bytes_largest_graph"]
+            > arms["grouped"]["peak_bytes_largest_graph"]
+        ):
             failures.append("per-param's in-step peak > grouped's")
         if PARITY_XLA_FLAGS in report["xla_flags"] and report["grouped_vs_per_param"]:
             failures.append(f"grouped vs per-param: {report['grouped_vs_per_param']}")
