@@ -643,6 +643,204 @@ def bench(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Memory: device bytes a rank keeps after a step, per arm
+
+# arm -> what trains: no FSDP (the floor, each rank's batch on an unsharded
+# model), FSDP2's two modes, torch_xla's own FSDP (nested per block)
+MEMORY_ARMS = ("floor", "grouped", "per-param", "xla-fsdp")
+
+
+def device_bytes(groups: dict[str, list]) -> dict[str, int]:
+    """Bytes of device data this rank thread's device keeps, counted by buffer
+    handle after a sync and without executing anything: ``held``, the buffers
+    a Python-reachable tensor holds (for a functional tensor, its value), and
+    ``pending_ir``, those only a tensor's pending graph reads. ``groups``
+    (name -> tensors) also reports the bytes of each group's buffers, held or
+    read (a buffer counts in the first group that reaches it)."""
+    import gc
+
+    import torch
+    import torch_xla
+    from torch.distributed.tensor import DTensor
+
+    xlac = torch_xla._XLAC
+    device = torch_xla.device()
+
+    def buffers(t) -> tuple[dict[int, int], bool]:
+        """{handle: bytes} of t's device data, and whether it holds it."""
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or t.device != device:
+            return {}, False
+        if torch._is_functional_tensor(t):
+            t = torch._from_functional_tensor(t)
+        try:
+            (handle,) = xlac._get_tensors_handle([t])
+            return {handle: t.numel() * t.element_size()}, True
+        except RuntimeError:  # no data: a pending graph
+            _, data = xlac._get_tensors_xla_device_data_node([t])
+            handles = xlac._get_tensors_handle(data) if data else []
+            return {
+                h: d.numel() * d.element_size() for h, d in zip(handles, data, strict=True)
+            }, False
+
+    held: dict[int, int] = {}
+    read: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            found, holds = buffers(obj)
+            (held if holds else read).update(found)
+    read = {h: n for h, n in read.items() if h not in held}
+    out = {"held": sum(held.values()), "pending_ir": sum(read.values())}
+    out["total"] = out["held"] + out["pending_ir"]
+    seen: set[int] = set()
+    for name, tensors in groups.items():
+        mine: dict[int, int] = {}
+        for t in tensors:
+            mine.update(buffers(t)[0])
+        out[name] = sum(n for h, n in mine.items() if h not in seen)
+        seen |= mine.keys()
+    out["other"] = out["total"] - sum(out[name] for name in groups)
+    if os.environ.get("XLA_CHECK_DEBUG"):
+        others = Counter()
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                found, holds = buffers(obj)
+                if found and not (found.keys() & seen):
+                    others[(type(obj).__name__, tuple(obj.shape), holds)] += 1
+        log.info("other buffers' holders: %s", dict(others))
+    return out
+
+
+def _xla_fsdp_full_params(model) -> dict[str, tuple]:
+    """(shard, original size) per parameter name of a model wrapped in
+    torch_xla's XlaFullyShardedDataParallel, names as in the unwrapped model."""
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XlaFSDP
+
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, XlaFSDP):
+            for p in module.sharded_params:
+                name = f"{prefix}.{p._orig_name}" if prefix else p._orig_name
+                name = name.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", "")
+                out[name] = (p.detach().cpu(), tuple(p._orig_size))
+    return out
+
+
+def memory_worker(args: argparse.Namespace) -> None:
+    """One arm (``--memory-worker``): ``--steps`` SGD or AdamW steps on each
+    rank thread; rank 0 reports device bytes after each step and every rank
+    its final parameters (shards) for the parent's parity."""
+    bed = _TestBed(args.world_size)
+    import torch
+    import torch.distributed as dist
+    import torch_xla
+
+    import torch_fsdp_ext
+    from torch_fsdp_ext import xla as fsdp_xla
+
+    arm = args.memory_worker
+    bf16 = args.precision == "bf16"
+    reshard = args.reshard_after_forward == "true"
+    out: dict = {"steps": [], "params": {}}
+
+    def rank_fn(index: int) -> None:
+        dist.init_process_group("xla", init_method="xla://")
+        rank = dist.get_rank()
+        device = torch_xla.device()
+        with bed.init_lock:
+            model = build_model(**_model_args(args))
+        model = model.to(device)
+        if arm == "floor" and bf16:
+            model = model.to(torch.bfloat16)
+        elif arm in ("grouped", "per-param"):
+            mesh = fsdp_xla.mesh_from_group()
+            mp_policy = torch_fsdp_ext.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16 if bf16 else None,
+                reduce_dtype=torch.float32 if bf16 else None,
+            )
+            for module in (*model.layers, model):
+                torch_fsdp_ext.fully_shard(
+                    module,
+                    mesh=mesh,
+                    group_collectives=arm == "grouped",
+                    mp_policy=mp_policy,
+                    reshard_after_forward=reshard,
+                )
+        elif arm == "xla-fsdp":
+            from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XlaFSDP
+
+            kwargs = {
+                "reshard_after_forward": reshard,
+                # pinned collectives lower to rank-dependent graphs, which
+                # this test bed cannot pair (docs/xla.md)
+                "pin_layout_in_collective_ops": False,
+                "compute_dtype": torch.bfloat16 if bf16 else torch.float32,
+                "fp32_reduce_scatter": bf16,
+            }
+            for i, block in enumerate(model.layers):
+                model.layers[i] = XlaFSDP(block, **kwargs)
+            model = XlaFSDP(model, **kwargs)
+        optimizer = (
+            torch.optim.AdamW(model.parameters(), lr=args.lr)
+            if args.optimizer == "adamw"
+            else torch.optim.SGD(model.parameters(), lr=args.lr)
+        )
+        _drop_token_and_sync(bed)
+        for step in range(args.steps):
+            x, y = batches(step, args.vocab, args.batch, args.seq, args.world_size)[rank]
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            del logits, loss
+            _drop_token_and_sync(bed)
+            if rank == 0:
+                params = [p for p in model.parameters()]
+                state = [t for s in optimizer.state.values() for t in s.values()]
+                grads = [p.grad for p in params if p.grad is not None]
+                out["steps"].append(
+                    device_bytes(
+                        {
+                            "params": params,
+                            "optimizer_state": state,
+                            "grads": grads,
+                            "batch": [x, y],
+                        }
+                    )
+                )
+            bed.barrier.wait()
+        if arm == "xla-fsdp":
+            out["params"][rank] = _xla_fsdp_full_params(model)
+        elif arm == "floor":
+            out["params"][rank] = {
+                k: v.detach().float().cpu() for k, v in model.state_dict().items()
+            }
+        else:
+            out["params"][rank] = {
+                k: v.to_local().detach().cpu() for k, v in model.state_dict().items()
+            }
+        bed.step_sync()
+
+    bed.run(rank_fn)
+    torch.save(out, args.result)
+
+
+def _drop_token_and_sync(bed: _TestBed) -> None:
+    # torch_xla.sync() drops the device's collective token with the GIL held,
+    # which frees buffers a step it just launched still reads; with
+    # torch_xla's FSDP at step 0, rank 0 then waits for its step, the step for
+    # rank 1's collective, and rank 1 for the GIL. Dropping the token first
+    # avoids it (so does XLA_ENABLE_PARAM_ALIASING=0)
+    import torch_xla
+
+    torch_xla._XLAC._set_all_reduce_token(torch_xla._XLAC._xla_get_default_device(), None)
+    bed.step_sync()
+
+
+# ---------------------------------------------------------------------------
 # The parent: one worker process per mode and world size, then the comparison
 
 
@@ -685,6 +883,153 @@ def _run_worker(
         retried.append(name)
         subprocess.run(cmd, env=env, check=True)
     return torch.load(result)
+
+
+def _reference(args: argparse.Namespace) -> dict:
+    """The unsharded model trained on the CPU (ATen) on every rank's batch at
+    once, with the arms' optimizer: each rank's mean loss, averaged, is the
+    mean loss over the joined batch."""
+    import torch
+
+    model = build_model(**_model_args(args))
+    optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if args.optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=args.lr)
+    )
+    for step in range(args.steps):
+        ranks = batches(step, args.vocab, args.batch, args.seq, args.world_size)
+        x, y = torch.cat([r[0] for r in ranks]), torch.cat([r[1] for r in ranks])
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _full_params(arm: str, ranks: dict) -> dict:
+    import torch
+
+    if arm == "xla-fsdp":
+        out = {}
+        for name, (_, size) in ranks[0].items():
+            flat = torch.cat([ranks[r][name][0].flatten() for r in sorted(ranks)])
+            out[name] = flat[: torch.Size(size).numel()].view(size)
+        return out
+    if arm == "floor":
+        return ranks[0]
+    return {k: torch.cat([ranks[r][k] for r in sorted(ranks)]) for k in ranks[0]}
+
+
+def _peaks(dump: Path) -> dict:
+    """The in-step peaks XLA's buffer assignment reports (``--xla_dump_to``,
+    "Stack trace breakdown for peak usage": live buffers at the peak, the
+    graph's inputs included) of every graph the run compiled: the largest,
+    and how many graphs there were (the modes that cut a step into several
+    graphs also keep buffers live across them, which this does not add)."""
+    peaks = []
+    for f in dump.glob("*buffer-assignment.txt"):
+        match = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", f.read_text())
+        if match:
+            peaks.append(int(match.group(1).replace(" ", "")))
+    return {"peak_bytes_largest_graph": max(peaks, default=0), "graphs_compiled": len(peaks)}
+
+
+def memory(args: argparse.Namespace) -> int:
+    """``--memory``: each arm in its own worker; rank 0's device bytes after
+    the last step, and each arm's parity (max abs diff) against the unsharded
+    CPU reference; grouped and per-param must also agree bit for bit."""
+    import torch
+
+    arms = args.arms
+    report: dict = {
+        "precision": args.precision,
+        "world_size": args.world_size,
+        "optimizer": args.optimizer,
+        "reshard_after_forward": args.reshard_after_forward,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "arms": {},
+    }
+    reference = _reference(args)
+    report["parameters"] = len(reference)
+    params = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in arms:
+            result = Path(tmp, f"{arm}.pt")
+            env = dict(
+                os.environ,
+                PJRT_DEVICE="CPU",
+                CPU_NUM_DEVICES=str(args.world_size),
+                XLA_USE_DUMMY_STORE="1",
+                TORCH_DIST_INIT_BARRIER="0",
+            )
+            cmd = [sys.executable, __file__, "--memory-worker", arm, "--result", str(result)]
+            for option in (*_WORKER_OPTIONS, "precision", "optimizer", "world_size"):
+                cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+            cmd += ["--reshard-after-forward", args.reshard_after_forward]
+            dump = Path(tmp, f"{arm}.dump")
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+            log.info("memory: %s", arm)
+            subprocess.run(cmd, env=env, check=True)
+            out = torch.load(result)
+            params[arm] = _full_params(arm, out["params"])
+            report["arms"][arm] = {"device_bytes": out["steps"][-1], **_peaks(dump)}
+    for arm, full in params.items():
+        if arm == "floor":
+            continue
+        report["arms"][arm]["max_abs_diff_vs_reference"] = max(
+            (full[k].float() - reference[k]).abs().max().item() for k in reference
+        )
+        report["arms"][arm]["moved"] = sum(
+            not torch.equal(full[k].float(), build_ref) for k, build_ref in _initial(args).items()
+        )
+    if "grouped" in params and "per-param" in params:
+        report["grouped_vs_per_param"] = _first_difference(params["grouped"], params["per-param"])
+    report["failures"] = _memory_failures(report)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    for failure in report["failures"]:
+        log.error("check failed: %s", failure)
+    return 1 if report["failures"] and args.check else 0
+
+
+def _memory_failures(report: dict) -> list[str]:
+    """What ``--memory --check`` enforces: each FSDP2 mode keeps after a step
+    at most torch_xla's FSDP's device bytes and at most 1.05x (sharded
+    parameters + optimizer state + batch); per-param's in-step peak is at
+    most grouped's; every parameter moved; at ``PARITY_XLA_FLAGS`` the modes
+    agree bit for bit."""
+    arms, failures = report["arms"], []
+    for mode in ("grouped", "per-param"):
+        if mode not in arms:
+            continue
+        held = arms[mode]["device_bytes"]
+        needed = held["params"] + held["optimizer_state"] + held["batch"]
+        if held["total"] > 1.05 * needed:
+            failures.append(f"{mode}: {held['total']} B after a step > 1.05 x {needed} B")
+        if "xla-fsdp" in arms and held["total"] > arms["xla-fsdp"]["device_bytes"]["total"]:
+            failures.append(f"{mode}: more device bytes after a step than torch_xla's FSDP")
+    for arm, entry in arms.items():
+        if arm != "floor" and entry["moved"] != len(_initial_names(report)):
+            failures.append(f"{arm}: {entry['moved']} parameters moved")
+    if "grouped" in arms and "per-param" in arms:
+        if (
+            arms["per-param"]["peak_bytes_largest_graph"]
+            > arms["grouped"]["peak_bytes_largest_graph"]
+        ):
+            failures.append("per-param's in-step peak > grouped's")
+        if PARITY_XLA_FLAGS in report["xla_flags"] and report["grouped_vs_per_param"]:
+            failures.append(f"grouped vs per-param: {report['grouped_vs_per_param']}")
+    return failures
+
+
+def _initial_names(report: dict) -> range:
+    return range(report["parameters"])
+
+
+def _initial(args: argparse.Namespace) -> dict:
+    return {k: v.detach() for k, v in build_model(**_model_args(args)).state_dict().items()}
 
 
 def _first_difference(a, b) -> str:
@@ -824,7 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the counts")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=2, help="--bench, --memory: ranks")
     parser.add_argument(
         "--vocab", type=int, default=104, help="divisible by 4 (see docs/xla.md, the test bed)"
     )
@@ -834,6 +1179,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=8)
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="device bytes after a step per arm (--arms) and parity against the unsharded "
+        "CPU reference; --world-size, --precision, --optimizer, --reshard-after-forward",
+    )
+    parser.add_argument("--arms", nargs="+", choices=MEMORY_ARMS, default=list(MEMORY_ARMS))
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--reshard-after-forward", choices=("true", "false"), default="true")
+    parser.add_argument("--memory-worker", choices=MEMORY_ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
@@ -843,6 +1198,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.memory_worker:
+        memory_worker(args)
+        return 0
+    if args.memory:
+        return memory(args)
     if args.bench:
         os.environ.update(
             PJRT_DEVICE="CPU",

@@ -25,9 +25,13 @@ first ``"xla"`` mesh. It registers:
 - functionalization kernels for FSDP's ops with mutable list outputs
   (``split_with_sizes_copy``, ``chunk_cat``), which grouped collectives use
   and torch_xla's eager functionalization rejects;
-- no-op storage resizing for ``"xla"`` tensors: FSDP frees an unsharded
+- freeing without storage resizing on ``"xla"``: FSDP frees an unsharded
   parameter by resizing its storage to 0, and an XLA tensor's storage cannot
-  be resized; XLA frees device memory when the graph no longer needs it.
+  be resized, so the all-gather outputs and the unsharded parameters are
+  pointed at a one-element placeholder and given values again by the next
+  all-gather; an unpadded sharded parameter is a tensor of its own, not a
+  view of its padded shard (an XLA view holds a copy), so a rank keeps only
+  sharded state between steps (docs/xla.md, "Memory").
 
 The mesh comes from :func:`mesh_from_group`, since ``init_device_mesh`` makes
 no process groups for ``"xla"``. docs/xla.md lists
@@ -280,16 +284,160 @@ def _chunk_cat(
 
 
 _ORIGINAL_STORAGE_FNS = (_fsdp_param.alloc_storage, _fsdp_param.free_storage)
+_ORIGINAL_PARAM_METHODS = (
+    _fsdp_param.FSDPParam.init_unsharded_param,
+    _fsdp_param.FSDPParam.free_unsharded_param,
+)
+
+# An ``xla`` tensor has no resizable storage: it is a handle to device data
+# (or to the pending graph that computes it). Freeing it means pointing it at
+# a one-element placeholder, so that its device data has no holder left and
+# XLA releases it (as torch_xla's own FSDP frees its full parameters), and
+# allocating means giving it a value of its size again, which the all-gather
+# then overwrites. ``_FREED_SIZE`` is the attribute that keeps the size of a
+# freed tensor (its shape is the placeholder's until then).
+_FREED_SIZE = "_fsdp_ext_xla_freed_size"
+_placeholders: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    key = (tensor.device, tensor.dtype)
+    if key not in _placeholders:
+        _placeholders[key] = torch.zeros(1, dtype=tensor.dtype, device=tensor.device)
+    return _placeholders[key]
+
+
+def _replace_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    import torch_xla
+
+    # not a write autograd must see: FSDP's unsharded parameters are saved
+    # for backward, and it gives them their data again before backward reads it
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
+        torch_xla._XLAC._replace_xla_tensor(tensor, data)
+
+
+def _xla_free(tensor: torch.Tensor) -> None:
+    if getattr(tensor, _FREED_SIZE, None) is None:
+        setattr(tensor, _FREED_SIZE, tensor.size())
+        _replace_data(tensor, _placeholder(tensor))
+
+
+def _xla_alloc(tensor: torch.Tensor) -> None:
+    size = getattr(tensor, _FREED_SIZE, None)
+    if size is not None:
+        setattr(tensor, _FREED_SIZE, None)
+        _replace_data(tensor, torch.empty(size, dtype=tensor.dtype, device=tensor.device))
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:
-    if tensor.device.type != "xla":
+    if tensor.device.type == "xla":
+        _xla_alloc(tensor)
+    else:
         _ORIGINAL_STORAGE_FNS[0](tensor)
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
-    if tensor.device.type != "xla":
+    if tensor.device.type == "xla":
+        _xla_free(tensor)
+    else:
         _ORIGINAL_STORAGE_FNS[1](tensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _free_unsharded_param(self, *args, **kwargs) -> None:
+    """``FSDPParam.free_unsharded_param``, which on ``xla`` also frees the
+    unsharded parameter itself and the all-gather outputs at once.
+
+    On a device with storage, the unsharded parameter is a view of the
+    all-gather output's storage, so freeing the output frees both. An ``xla``
+    view holds a value of its own (the all-gather's result, viewed), which
+    freeing the output leaves alive. FSDP may defer freeing the outputs to a
+    later all-gather (for CUDA's streams); a lazy graph needs no such
+    ordering, and a deferred output would stay alive between steps.
+    """
+    _ORIGINAL_PARAM_METHODS[1](self, *args, **kwargs)
+    if self.device.type != "xla":
+        return
+    for tensor in self.all_gather_outputs:
+        _xla_free(tensor)
+    if hasattr(self, "_unsharded_param"):
+        _xla_free(_local(self._unsharded_param))
+
+
+def _init_unsharded_param(self) -> None:
+    """``FSDPParam.init_unsharded_param``, which on ``xla`` brings a freed
+    unsharded parameter back: after the all-gather wrote its output, the
+    parameter (a view of it) takes its value from the output again, and so
+    its size (a freed tensor has the placeholder's)."""
+    _ORIGINAL_PARAM_METHODS[0](self)
+    if self.device.type != "xla":
+        return
+    param = _local(self._unsharded_param)
+    if getattr(param, _FREED_SIZE, None) is not None:
+        setattr(param, _FREED_SIZE, None)
+        torch._functionalize_sync(param)
+
+
+_ORIGINAL_INIT_SHARDED = (
+    _fsdp_param.FSDPParam._init_sharded_param,
+    _fsdp_param.FSDPParam.reset_sharded_param,
+)
+_SHARDED_DATA = "_sharded_param_data"
+
+
+def _own_shard(fsdp_param) -> None:
+    """On ``xla``, makes an unpadded sharded parameter's local tensor a
+    tensor of its own instead of a view of the padded shard.
+
+    An ``xla`` view holds a value of its own: FSDP's sharded parameter (a
+    view of its padded shard) and the flat ``_sharded_param_data`` (another
+    view, the all-gather's input) each kept a shard-sized buffer, and after
+    the optimizer wrote the parameter the padded shard still held the old
+    value: a second copy of every shard between steps. Without padding the
+    shard is the whole padded shard, so the local tensor can be the storage
+    itself and the flat view is made where FSDP reads it
+    (:func:`_sharded_param_data`), dropped after the step's graph is built.
+    A padded shard keeps FSDP's views.
+    """
+    local = fsdp_param.sharded_param._local_tensor
+    if (
+        local.device.type != "xla"
+        or local.size() != fsdp_param.padded_sharded_param_size
+        or fsdp_param.offload_to_cpu
+    ):
+        return
+    if local._base is not None:
+        local = local.detach().clone()
+        fsdp_param.sharded_param._local_tensor = local
+    fsdp_param.__dict__.pop(_SHARDED_DATA, None)
+
+
+def _init_sharded_param(self, *args, **kwargs):
+    _ORIGINAL_INIT_SHARDED[0](self, *args, **kwargs)
+    _own_shard(self)
+
+
+def _reset_sharded_param(self, *args, **kwargs):
+    _ORIGINAL_INIT_SHARDED[1](self, *args, **kwargs)
+    _own_shard(self)
+
+
+def _get_sharded_param_data(self) -> torch.Tensor:
+    data = self.__dict__.get(_SHARDED_DATA)
+    if data is None:  # an own shard on xla: a fresh flat view of it
+        return self.sharded_param._local_tensor.view(-1)
+    return data
+
+
+def _set_sharded_param_data(self, value: torch.Tensor) -> None:
+    self.__dict__[_SHARDED_DATA] = value
+
+
+#: ``FSDPParam._sharded_param_data`` on ``xla``: see :func:`_own_shard`
+_sharded_param_data = property(_get_sharded_param_data, _set_sharded_param_data)
 
 
 def mesh_from_group(group: dist.ProcessGroup | None = None) -> DeviceMesh:
@@ -456,6 +604,11 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
             module.alloc_storage = _alloc_storage
         if hasattr(module, "free_storage"):
             module.free_storage = _free_storage
+    _fsdp_param.FSDPParam.free_unsharded_param = _free_unsharded_param
+    _fsdp_param.FSDPParam.init_unsharded_param = _init_unsharded_param
+    _fsdp_param.FSDPParam._init_sharded_param = _init_sharded_param
+    _fsdp_param.FSDPParam.reset_sharded_param = _reset_sharded_param
+    _fsdp_param.FSDPParam._sharded_param_data = _sharded_param_data
     dispatcher = DTensor._op_dispatcher
     if not hasattr(dispatcher.dispatch, "__wrapped__"):
         dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)
