@@ -281,6 +281,14 @@ REWRITES: tuple[Rewrite, ...] = (
 # Project tests that travel upstream import the package; in the series they
 # import torch. Longest prefix first.
 TEST_REWRITES: tuple[tuple[str, str], ...] = (
+    # A test that also imports other test utilities names the class on the
+    # line above their import, which upstream is one import
+    (
+        f"from {PACKAGE} import {TEST_UTILITY_CLASS}\n"
+        f"from {TEST_UTILITY_SOURCE[:-3].replace('/', '.')} import (\n",
+        f"from {TEST_UTILITY_SOURCE[:-3].replace('/', '.')} import (\n"
+        f"    {TEST_UTILITY_CLASS},\n",
+    ),
     # A test imports the test utility on a line of its own
     (
         f"from {PACKAGE} import {TEST_UTILITY_CLASS}\n",

@@ -1,10 +1,9 @@
 # Owner(s): ["oncall: distributed"]
 
 import torch
-from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread
-from torch.testing._internal.common_utils import run_tests
-
 from torch_fsdp_ext import CPUOffloadPolicy, fully_shard
+from torch.testing._internal.common_fsdp import FSDPTestMultiThread, MLP
+from torch.testing._internal.common_utils import run_tests
 
 
 class TestFullyShardCPUOffloadWithoutAccelerator(FSDPTestMultiThread):

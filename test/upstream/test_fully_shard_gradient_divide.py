@@ -4,10 +4,9 @@ import copy
 
 import torch
 import torch.nn as nn
+from torch_fsdp_ext import fully_shard
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread, get_devtype
 from torch.testing._internal.common_utils import run_tests
-
-from torch_fsdp_ext import fully_shard
 
 device_type = torch.device(get_devtype())
 

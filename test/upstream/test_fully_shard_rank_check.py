@@ -9,14 +9,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch_fsdp_ext import fully_shard, MixedPrecisionPolicy
+from torch_fsdp_ext._fully_shard._fsdp_common import ShardPlacementResult
 from torch.distributed.tensor import Shard
 from torch.testing._internal.common_distributed import MultiProcessTestCase
-from torch.testing._internal.common_fsdp import FSDPTestMultiThread, get_devtype
 from torch_fsdp_ext import DeterministicReduceScatter
+from torch.testing._internal.common_fsdp import (
+    FSDPTestMultiThread,
+    get_devtype,
+)
 from torch.testing._internal.common_utils import run_tests
-
-from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
-from torch_fsdp_ext._fully_shard._fsdp_common import ShardPlacementResult
 
 device_type = torch.device(get_devtype())
 

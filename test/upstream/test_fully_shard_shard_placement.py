@@ -8,21 +8,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch_fsdp_ext import DataParallelMeshDims, fully_shard
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
+from torch.distributed.tensor import distribute_tensor, DTensor, Replicate, Shard
+from torch_fsdp_ext import DeterministicReduceScatter
 from torch.testing._internal.common_fsdp import (
     FSDPTest,
     FSDPTestMultiThread,
     get_devtype,
 )
-from torch_fsdp_ext import DeterministicReduceScatter
 from torch.testing._internal.common_utils import run_tests
-
-from torch_fsdp_ext import DataParallelMeshDims, fully_shard
-from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
-from torch_fsdp_ext._fully_shard._fsdp_common import (
-    FSDPMeshInfo,
-    ShardPlacementResult,
-)
 
 device_type = torch.device(get_devtype())
 # Parity needs real collectives: one process per accelerator on its default
