@@ -10,6 +10,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch_fsdp_ext import DataParallelMeshDims, fully_shard
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather
+from torch_fsdp_ext._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    ShardPlacementResult,
+)
 from torch.distributed.tensor import distribute_tensor, DTensor, Replicate, Shard
 from torch_fsdp_ext import DeterministicReduceScatter
 from torch.testing._internal.common_fsdp import (
