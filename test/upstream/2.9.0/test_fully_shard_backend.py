@@ -3,35 +3,35 @@
 import contextlib
 import warnings
 from collections.abc import Iterator
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch_fsdp_ext import fully_shard
-from torch.testing._internal.common_fsdp import get_devtype, MLP
-from torch.testing._internal.common_utils import TestCase, run_tests
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
-from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch_fsdp_ext import FSDPModule
-from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 from torch_fsdp_ext import (
     FSDPBackend,
+    FSDPModule,
+    fully_shard,
     get_fsdp_backend,
     register_fsdp_backend,
     unregister_fsdp_backend,
 )
-from unittest import mock
-
 from torch_fsdp_ext._fully_shard import _fsdp_collectives
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
+    lib as fsdp_lib,
 )
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.common_fsdp import get_devtype, MLP
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
+    run_tests,
+    TestCase,
 )
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 device_type = torch.device(get_devtype())
 

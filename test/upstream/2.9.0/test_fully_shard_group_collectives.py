@@ -8,34 +8,31 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo import compiled_autograd
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.testing._internal.common_fsdp import (
-    MLP,
-    FSDPTest,
-    FSDPTestMultiThread,
-    get_devtype,
-)
-from torch.testing._internal.common_utils import TestCase, run_tests
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from torch_fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext import FSDPModule, fully_shard, MixedPrecisionPolicy
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
-)
-from torch_fsdp_ext import DeterministicReduceScatter
-from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     lib as fsdp_lib,
+)
+from torch_fsdp_ext._fully_shard._fsdp_common import (
+    detect_compiled_autograd,
 )
 from torch_fsdp_ext._fully_shard._fsdp_param_group import (
     FSDPParamGroup,
     PerParamFSDPParamGroup,
 )
-from torch_fsdp_ext._fully_shard._fsdp_common import (
-    detect_compiled_autograd,
+from torch.distributed.tensor import Shard
+from torch_fsdp_ext import DeterministicReduceScatter
+from torch.testing._internal.common_fsdp import (
+    FSDPTest,
+    FSDPTestMultiThread,
+    get_devtype,
+    MLP,
 )
+from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 device_type = torch.device(get_devtype())
 # Parity needs real collectives: one process per accelerator on its default
