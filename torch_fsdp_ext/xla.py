@@ -8,9 +8,9 @@ first ``"xla"`` mesh. It registers:
   per-parameter collectives by default, which need no copy-in or copy-out
   buffer and so no host round trip (docs/xla.md), issued together as one
   tuple-shaped all-gather or reduce-scatter per parameter group and dtype
-  (:class:`XlaAllGather`, :class:`XlaReduceScatter`), on tensors of their own
-  (``needs_own_inputs``, ``needs_own_outputs``: an XLA tensor is a value, so
-  a write into a slice of another is an update op of the whole), and a
+  (:class:`XlaAllGather`, :class:`XlaReduceScatter`), on the tensors of their
+  own that per-parameter FSDP hands a comm's ``foreach`` (an XLA tensor is a
+  value, so a write into a slice of another is an update op of the whole), and a
   reduce without ``AVG`` (torch_xla's process group has none), so FSDP sums
   and divides;
 - ``torch.nn.utils.clip_grad_norm_`` for DTensor gradients: importing
@@ -126,8 +126,6 @@ class XlaAllGather(DefaultAllGather):
     an update of the output per parameter, at an offset that differs by rank,
     so the ranks' programs would differ."""
 
-    needs_own_inputs = True
-
     def __init__(self, bucket_cap_bytes: int | None = None, tuple_collectives: bool = True) -> None:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.tuple_collectives = tuple_collectives
@@ -152,8 +150,6 @@ class XlaReduceScatter(DefaultReduceScatter):
     parameter), straight from the gradients into outputs of their own: a
     write into a view of one buffer costs XLA a ``pad`` and ``select`` of the
     whole buffer per parameter (docs/xla.md)."""
-
-    needs_own_outputs = True
 
     def __init__(self, bucket_cap_bytes: int | None = None, tuple_collectives: bool = True) -> None:
         self.bucket_cap_bytes = bucket_cap_bytes

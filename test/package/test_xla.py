@@ -18,6 +18,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_ext import get_fsdp_backend, xla
 from torch_fsdp_ext._fully_shard import _fsdp_init
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 
@@ -87,14 +88,14 @@ class TestFullyShardXLATupleCollectives(TestCase):
 
     def test_backend_comms_are_the_tuple_comms(self):
         """Tests that the 'xla' backend's default comms are the tuple
-        collectives, still taking FSDP's own tensors (no ``allocate``), and
-        needing inputs and outputs of their own (no writes into slices)."""
+        collectives, each with a ``foreach`` of its own that takes FSDP's own
+        tensors (not the base interface's copy through ``allocate``). That
+        per parameter those are tensors of their own (no writes into slices)
+        is FSDP's part, tested by ``test_foreach_gets_tensors_of_their_own``."""
         self.assertIs(xla.XLA_BACKEND.all_gather_comm, xla.XlaAllGather)
         self.assertIs(xla.XLA_BACKEND.reduce_scatter_comm, xla.XlaReduceScatter)
-        self.assertTrue(xla.XlaAllGather.accepts_parameter_output)
-        self.assertTrue(xla.XlaReduceScatter.accepts_gradient_input)
-        self.assertTrue(xla.XlaAllGather.needs_own_inputs)
-        self.assertTrue(xla.XlaReduceScatter.needs_own_outputs)
+        self.assertIsNot(xla.XlaAllGather.foreach, AllGather.foreach)
+        self.assertIsNot(xla.XlaReduceScatter.foreach, ReduceScatter.foreach)
 
     def test_other_process_groups_go_one_by_one(self):
         """Tests that with a process group that is not torch_xla's (no replica

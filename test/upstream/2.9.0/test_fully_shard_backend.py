@@ -3,35 +3,35 @@
 import contextlib
 import warnings
 from collections.abc import Iterator
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch_fsdp_ext import fully_shard
-from torch.testing._internal.common_fsdp import get_devtype, MLP
-from torch.testing._internal.common_utils import TestCase, run_tests
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
-from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch_fsdp_ext import FSDPModule
-from torch_fsdp_ext._fully_shard._fsdp_collectives import lib as fsdp_lib
 from torch_fsdp_ext import (
     FSDPBackend,
+    FSDPModule,
+    fully_shard,
     get_fsdp_backend,
     register_fsdp_backend,
     unregister_fsdp_backend,
 )
-from unittest import mock
-
 from torch_fsdp_ext._fully_shard import _fsdp_collectives
+from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
+    lib as fsdp_lib,
 )
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.common_fsdp import get_devtype, MLP
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
+    run_tests,
+    TestCase,
 )
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 device_type = torch.device(get_devtype())
 
@@ -83,9 +83,14 @@ class RecordingReduceScatter(ReduceScatter):
 
 
 class GradientReadingReduceScatter(RecordingReduceScatter):
-    """Opts in to receiving gradients themselves as inputs."""
+    """Takes FSDP's tensors: its ``foreach`` skips the copy through
+    ``allocate``."""
 
-    accepts_gradient_input = True
+    def foreach(self, output_tensors, input_tensors, group, op, async_op=False):
+        for output_tensor, input_tensor in zip(
+            output_tensors, input_tensors, strict=True
+        ):
+            self(output_tensor, input_tensor, group, op)
 
 
 class ForeachAllGather(RecordingAllGather):
@@ -233,10 +238,10 @@ class TestFullyShardBackendDefaults(TestCase):
     def test_backend_comm_gets_gradients_themselves(
         self, comm_cls: type[ReduceScatter]
     ):
-        """Tests that in per-parameter mode a backend's reduce-scatter that
-        sets ``accepts_gradient_input`` receives each gradient computed by
-        autograd itself (same storage), and that one that does not (the
-        default) receives none of them."""
+        """Tests that in per-parameter mode a backend's reduce-scatter whose
+        ``foreach`` takes FSDP's tensors receives each gradient computed by
+        autograd itself (same storage), and that one that defines only
+        ``allocate`` and ``__call__`` receives none of them."""
         backend = FSDPBackend(
             group_collectives=False,
             all_gather_comm=RecordingAllGather,
@@ -257,16 +262,16 @@ class TestFullyShardBackendDefaults(TestCase):
             comm.input_data_ptrs.clear()
             model(inp).sum().backward()
             self.assertEqual(len(comm.input_data_ptrs), len(fsdp_params))
-            if comm_cls.accepts_gradient_input:
+            if comm_cls is GradientReadingReduceScatter:
                 self.assertEqual(sorted(comm.input_data_ptrs), sorted(grad_data_ptrs))
             else:
                 allocated = {t.data_ptr() for t in comm.allocated}
                 self.assertLessEqual(set(comm.input_data_ptrs), allocated)
 
     def test_backend_comm_owns_allocation(self):
-        """Tests that the backend's ``allocate`` provides the reduce-scatter
-        output and every input of a comm that does not accept gradients
-        themselves: FSDP allocates nothing of its own."""
+        """Tests that a backend comm that defines only ``allocate`` and
+        ``__call__`` is called on tensors from its ``allocate`` only: the base
+        ``foreach`` copies every per-parameter input and output through it."""
         with _registered(
             device_type.type, FSDPBackend(reduce_scatter_comm=RecordingReduceScatter)
         ):
@@ -275,11 +280,14 @@ class TestFullyShardBackendDefaults(TestCase):
             model.set_group_collectives(False)
             comm = model._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
             model(torch.randn(4, 8, device=device_type)).sum().backward()
-        # (7, 8) and (7,) are padded to (8, 8) and (8,); (8, 7) and (8,) are
-        # copied as they are; one output of (64 + 8 + 56 + 8) / 2 elements
+        # Inputs: (7, 8) and (7,) padded to (8, 8) and (8,), (8, 7) and (8,);
+        # outputs: half of each
         self.assertEqual(
             sorted(comm.allocations, key=lambda s: s.numel()),
-            [(8,), (8,), (56,), (64,), (68,)],
+            [(4,), (4,), (8,), (8,), (28,), (32,), (56,), (64,)],
+        )
+        self.assertLessEqual(
+            set(comm.input_data_ptrs), {t.data_ptr() for t in comm.allocated}
         )
 
     def test_grouped_buffer_from_backend_allocate(self):
@@ -399,7 +407,7 @@ def _per_param_two_blocks_with_foreach_comms() -> list[
             # parameters of its own
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:
-                group.group_collectives = False
+                group._set_group_collectives(False)
     model(torch.randn(4, 8, device=device_type)).sum().backward()
     return comms
 
@@ -411,6 +419,13 @@ def _OwnCall(comm_cls: type) -> type:
         return comm_cls.__call__(self, *args, **kwargs)
 
     return type(f"OwnCall{comm_cls.__name__}", (comm_cls,), {"__call__": __call__})
+
+
+def _OneByOne(comm_cls: type) -> type:
+    """A subclass of ``comm_cls`` with the base interface's one-by-one
+    ``foreach``."""
+    base = AllGather if issubclass(comm_cls, AllGather) else ReduceScatter
+    return type(f"OneByOne{comm_cls.__name__}", (comm_cls,), {"foreach": base.foreach})
 
 
 class TestFullyShardBackendCoalescing(TestCase):
@@ -468,8 +483,12 @@ class TestFullyShardBackendCoalescing(TestCase):
             work, counts = self._foreach(comm, 3, False, async_op)
             self.assertEqual(counts, {op: 3})
             self.assertIsNone(work)
-            # A subclass with its own ``__call__`` goes one by one
+            # Overriding decides: a subclass's own ``__call__`` runs inside the
+            # coalescing manager too; one that must go one by one overrides
+            # ``foreach``
             work, counts = self._foreach(_OwnCall(type(comm))(), 3, True, async_op)
+            self.assertEqual(counts, {coalesced_op: 1})
+            work, counts = self._foreach(_OneByOne(type(comm))(), 3, True, async_op)
             self.assertEqual(counts, {op: 3})
             self.assertIsNone(work)
 

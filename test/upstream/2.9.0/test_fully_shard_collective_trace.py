@@ -9,13 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.testing._internal.common_fsdp import MLP, FSDPTestMultiThread, get_devtype
-from torch.testing._internal.common_utils import TestCase, run_tests
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from torch_fsdp_ext import MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext import fully_shard, MixedPrecisionPolicy
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     _get_gradient_divide_factors,
     DefaultAllGather,
@@ -23,6 +17,11 @@ from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     ProcessGroupAllocAllGather,
     ProcessGroupAllocReduceScatter,
 )
+from torch.distributed.tensor import Shard
+from torch.testing._internal.common_fsdp import FSDPTestMultiThread, get_devtype, MLP
+from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 device_type = torch.device(get_devtype())
 

@@ -8,30 +8,31 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo import compiled_autograd
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.testing._internal.common_fsdp import (
-    MLP,
-    FSDPTest,
-    FSDPTestMultiThread,
-    get_devtype,
-)
-from torch.testing._internal.common_utils import TestCase, run_tests
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from torch_fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch_fsdp_ext import FSDPModule, fully_shard, MixedPrecisionPolicy
 from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
-)
-from torch_fsdp_ext import DeterministicReduceScatter
-from torch_fsdp_ext._fully_shard._fsdp_collectives import (
     lib as fsdp_lib,
 )
 from torch_fsdp_ext._fully_shard._fsdp_common import (
     detect_compiled_autograd,
 )
+from torch_fsdp_ext._fully_shard._fsdp_param_group import (
+    FSDPParamGroup,
+    PerParamFSDPParamGroup,
+)
+from torch.distributed.tensor import Shard
+from torch_fsdp_ext import DeterministicReduceScatter
+from torch.testing._internal.common_fsdp import (
+    FSDPTest,
+    FSDPTestMultiThread,
+    get_devtype,
+    MLP,
+)
+from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 device_type = torch.device(get_devtype())
 # Parity needs real collectives: one process per accelerator on its default
@@ -43,64 +44,101 @@ _ParityTestCase = FSDPTestMultiThread if device_type.type == "cpu" else FSDPTest
 class _PairRecordingAllGather(AllGather):
     def __init__(self):
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.input_values: list[torch.Tensor] = []
+        self.allocated: list[torch.Tensor] = []
 
     def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
+        self.allocated.append(torch.empty(*size, dtype=dtype, device=device))
+        return self.allocated[-1]
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.pairs.append((output_tensor, input_tensor))
+        self.input_values.append(input_tensor.clone())
+        output_tensor.copy_(torch.arange(output_tensor.numel()))
 
 
 class _PairRecordingReduceScatter(ReduceScatter):
     def __init__(self):
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocated: list[torch.Tensor] = []
 
     def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
+        self.allocated.append(torch.empty(*size, dtype=dtype, device=device))
+        return self.allocated[-1]
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.pairs.append((output_tensor, input_tensor))
 
 
 class TestFullyShardGroupCollectivesCommAPI(TestCase):
-    def test_own_tensors_opt_in_is_off_by_default(self):
-        """Tests that receiving FSDP's own tensors instead of ``allocate``'s is
-        opt-in: off on the interfaces, on for the default comms; and that
-        needing tensors of their own is opt-in everywhere."""
-        for comm_cls, flag, accepts in (
-            (AllGather, "accepts_parameter_output", False),
-            (ReduceScatter, "accepts_gradient_input", False),
-            (DefaultAllGather, "accepts_parameter_output", True),
-            (DefaultReduceScatter, "accepts_gradient_input", True),
-            (AllGather, "needs_own_inputs", False),
-            (ReduceScatter, "needs_own_outputs", False),
-            (DefaultAllGather, "needs_own_inputs", False),
-            (DefaultReduceScatter, "needs_own_outputs", False),
-        ):
-            with self.subTest(comm=comm_cls.__name__):
-                self.assertIs(getattr(comm_cls, flag), accepts)
+    def setUp(self):
+        super().setUp()
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
 
-    def test_default_foreach_calls_each_pair(self):
-        """Tests that the default ``foreach`` calls ``__call__`` once per
-        (output, input) pair, in order, and returns no work."""
-        outputs = [torch.empty(4, device="meta") for _ in range(3)]
-        inputs = [torch.empty(2, device="meta") for _ in range(3)]
+    def tearDown(self):
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def test_base_foreach_copies_through_allocate(self):
+        """Tests that the base classes' ``foreach`` calls ``__call__`` once per
+        pair, in order, on buffers from ``allocate`` (the all-gather input at
+        this rank's offset of its output), copies the results out, and returns
+        no work."""
+        group = dist.distributed_c10d._get_default_group()
+        outputs = [torch.zeros(4) for _ in range(3)]
+        inputs = [torch.full((2,), float(i + 1)) for i in range(3)]
         all_gather = _PairRecordingAllGather()
+        self.assertIsNone(all_gather.foreach(outputs, inputs, group))
+        for (output, input), value, ref_input in zip(
+            all_gather.pairs, all_gather.input_values, inputs, strict=True
+        ):
+            self.assertTrue(any(output is t for t in all_gather.allocated))
+            self.assertEqual(input.untyped_storage().data_ptr(), output.data_ptr())
+            self.assertEqual(input.storage_offset(), 2)
+            self.assertEqual(value, ref_input, atol=0, rtol=0)
+        for output, (comm_output, _) in zip(outputs, all_gather.pairs, strict=True):
+            self.assertEqual(output, comm_output, atol=0, rtol=0)
         reduce_scatter = _PairRecordingReduceScatter()
-        self.assertIsNone(all_gather.foreach(outputs, inputs, None))
         self.assertIsNone(
-            reduce_scatter.foreach(inputs, outputs, None, dist.ReduceOp.SUM)
+            reduce_scatter.foreach(inputs, outputs, group, dist.ReduceOp.SUM)
         )
-        self.assertEqual(
-            [(id(o), id(i)) for o, i in all_gather.pairs],
-            [(id(o), id(i)) for o, i in zip(outputs, inputs, strict=True)],
-        )
-        self.assertEqual(
-            [(id(o), id(i)) for o, i in reduce_scatter.pairs],
-            [(id(o), id(i)) for o, i in zip(inputs, outputs, strict=True)],
-        )
+        for output, input in reduce_scatter.pairs:
+            self.assertTrue(any(output is t for t in reduce_scatter.allocated))
+            self.assertTrue(any(input is t for t in reduce_scatter.allocated))
         with self.assertRaises(ValueError):
-            all_gather.foreach(outputs, inputs[:2], None)
+            all_gather.foreach(outputs, inputs[:2], group)
+
+    def test_default_foreach_passes_fsdp_tensors(self):
+        """Tests that the default comms' ``foreach`` hands FSDP's own tensors
+        to ``__call__``, once per pair, in order, and returns no work."""
+        group = dist.distributed_c10d._get_default_group()
+        outputs = [torch.zeros(4) for _ in range(3)]
+        inputs = [torch.ones(2) for _ in range(3)]
+        for comm, args in (
+            (_RecordingDefaultAllGather(), ()),
+            (_RecordingDefaultReduceScatter(), (dist.ReduceOp.SUM,)),
+        ):
+            self.assertIsNone(comm.foreach(outputs, inputs, group, *args))
+            self.assertEqual(
+                comm.pairs,
+                [(id(o), id(i)) for o, i in zip(outputs, inputs, strict=True)],
+            )
+
+
+class _RecordingDefaultAllGather(DefaultAllGather):
+    def __init__(self):
+        self.pairs: list[tuple[int, int]] = []
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.pairs.append((id(output_tensor), id(input_tensor)))
+
+
+class _RecordingDefaultReduceScatter(DefaultReduceScatter):
+    def __init__(self):
+        self.pairs: list[tuple[int, int]] = []
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.pairs.append((id(output_tensor), id(input_tensor)))
 
 
 _COLLECTIVES = {
@@ -224,12 +262,17 @@ class TestFullyShardGroupCollectivesUserGradients(_ParityTestCase):
         reduce-scatter input in place before the reduction (an fp16 reduce
         dtype), as grouped mode divides only its own buffer; and that the
         reduced gradients are bitwise grouped mode's."""
-        for mp_policy in (
-            MixedPrecisionPolicy(),
-            MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16),
-        ):
-            with self.subTest(mp_policy=mp_policy):
-                self._test_kept_gradient_unchanged(mp_policy)
+        self.run_subtests(
+            {
+                "mp_policy": [
+                    MixedPrecisionPolicy(),
+                    MixedPrecisionPolicy(
+                        param_dtype=torch.float16, reduce_dtype=torch.float16
+                    ),
+                ]
+            },
+            self._test_kept_gradient_unchanged,
+        )
 
     def _test_kept_gradient_unchanged(self, mp_policy: MixedPrecisionPolicy):
         models = _copies_of_two_block_model(8, [False, True], mp_policy=mp_policy)
@@ -335,14 +378,14 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         that under compile they are created inside the graph instead of
         captured from that step."""
         for group_collectives in (True, False):
-            with self.subTest(group_collectives=group_collectives):
-                outputs, eager_outputs = self._all_gather_outputs_after_eager_step(
-                    group_collectives
-                )
-                self.assertEqual(len(outputs), len(eager_outputs))
-                self.assertFalse(
-                    any(o is e for o, e in zip(outputs, eager_outputs, strict=True))
-                )
+            outputs, eager_outputs = self._all_gather_outputs_after_eager_step(
+                group_collectives
+            )
+            self.assertEqual(len(outputs), len(eager_outputs))
+            self.assertFalse(
+                any(o is e for o, e in zip(outputs, eager_outputs, strict=True)),
+                msg=f"group_collectives={group_collectives}",
+            )
 
     def _all_gather_outputs_after_eager_step(
         self, group_collectives: bool
@@ -372,8 +415,8 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
 
     def test_all_gather_per_param_casts_per_param(self):
         """Tests that with ``param_dtype`` each parameter is cast by itself
-        (one copy each), straight into its chunk of the all-gather output, and
-        gathered in that dtype."""
+        (one copy each) into an all-gather input of its own, and gathered in
+        that dtype."""
         torch.manual_seed(42)
         model = MLP(8)
         mp_policy = MixedPrecisionPolicy(
@@ -384,23 +427,24 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
         recorder = self._record_step(model, torch.randn(4, 8, device=device_type))
         self.assertNotIn("all_gather_copy_in", recorder.copies)
         self.assertNotIn("_foreach_copy_", recorder.copies)
-        # The forward input cast (``_to_copy``) and 4 parameter casts to bf16
-        # (the root all-gathers once), then the 4 bf16 gradients, each cast
-        # into its own fp32 reduce-scatter input, with no cast after: 8
-        # ``copy_`` in all
-        self.assertEqual(recorder.copies, Counter({"_to_copy": 1, "copy_": 8}))
+        # The forward input cast and 4 parameter casts to bf16 (``_to_copy``;
+        # the root all-gathers once), then the 4 bf16 gradients, each cast
+        # into its own fp32 reduce-scatter input (``copy_``), with no cast
+        # after
+        self.assertEqual(recorder.copies, Counter({"_to_copy": 5, "copy_": 4}))
 
-    def test_all_gather_per_param_storage_lives_until_next_copy_out(self):
-        """Tests when the per-parameter path frees a block's unsharded
-        storages: in forward, not at the block's reshard but at the next
-        block's copy-out (the next all-gather may run on its own stream while
-        the current one still reads the block, so there is no
-        ``record_stream``), the last block's at the root's post-forward; in
-        backward, at reshard."""
+    def test_all_gather_per_param_storage_freed_at_reshard(self):
+        """Tests that the per-parameter path frees a block's unsharded storage
+        at its reshard, in forward and backward, and that every
+        ``_to_sharded*()`` caller reaches the per-parameter group's own,
+        which orders the storage's reuse after the current stream."""
         model = _two_block_model(group_collectives=False)
         inp = torch.randn(4, 8, device=device_type)
         model(inp).sum().backward()  # lazy init
-        comm_ctx = model._get_fsdp_state()._comm_ctx
+        group = _groups(model[0])[0]
+        self.assertIsInstance(group, PerParamFSDPParamGroup)
+        for name in ("_to_sharded", "_to_sharded_post_forward"):
+            self.assertIsNot(getattr(type(group), name), getattr(FSDPParamGroup, name))
 
         def allocated(block: nn.Module) -> list[bool]:
             return [
@@ -411,24 +455,14 @@ class TestFullyShardGroupCollectivesAllGather(_FakeProcessGroupTestCase):
 
         seen = {}
 
-        def record(when: str):
-            def hook(*_) -> None:
-                seen[when] = allocated(model[0])
+        def record(*_) -> None:
+            seen["after block 0 forward"] = allocated(model[0])
 
-            return hook
-
-        # FSDP's pre-forward hook is prepended, so this one runs before it
-        model[1].register_forward_pre_hook(
-            record("before block 1 unshard"), prepend=True
-        )
-        model[1].register_forward_pre_hook(record("after block 1 copy-out"))
+        model[0].register_forward_hook(record)
         out = model(inp)
-        self.assertEqual(seen["before block 1 unshard"], [True] * 4)
-        self.assertEqual(seen["after block 1 copy-out"], [False] * 4)
-        self.assertIsNone(comm_ctx.resharded_all_gather_outputs)
+        self.assertEqual(seen["after block 0 forward"], [False] * 4)
         self.assertEqual(allocated(model[1]), [False] * 4)
         out.sum().backward()
-        self.assertIsNone(comm_ctx.resharded_all_gather_outputs)
         self.assertEqual(allocated(model[0]) + allocated(model[1]), [False] * 8)
 
     def test_trace_two_blocks(self):
@@ -550,9 +584,10 @@ class TestFullyShardGroupCollectivesAsyncUnshard(_ParityTestCase):
         counters as they were before the unshard once waited on (autograd may
         have saved the parameters), with the default comm and with one that
         returns its all-gathers in flight."""
-        for comm_cls in (None, _BatchingAllGather):
-            with self.subTest(comm=getattr(comm_cls, "__name__", None)):
-                self._test_unshard_async_op_matches_grouped(comm_cls)
+        self.run_subtests(
+            {"comm_cls": [None, _BatchingAllGather]},
+            self._test_unshard_async_op_matches_grouped,
+        )
 
     def _test_unshard_async_op_matches_grouped(self, comm_cls):
         models = _copies_of_two_block_model(8, [False, True])
@@ -589,21 +624,26 @@ class TestFullyShardGroupCollectivesAsyncUnshard(_ParityTestCase):
         with one that returns its all-gathers in flight. Resharding after
         forward, backward all-gathers again into the parameters that autograd
         saved in forward, so their version counters must not change."""
-        for comm_cls in (None, _BatchingAllGather):
-            for reshard_after_forward in (True, False):
-                with self.subTest(
-                    comm=getattr(comm_cls, "__name__", None),
-                    reshard_after_forward=reshard_after_forward,
-                ):
-                    models = _copies_of_two_block_model(
-                        8, [False, True], reshard_after_forward=reshard_after_forward
-                    )
-                    for model in models:
-                        model._set_unshard_async_op(True)
-                    if comm_cls is not None:
-                        for module in (*models[0], models[0]):
-                            module.set_custom_all_gather(comm_cls())
-                    _train_and_compare(self, models, 8)
+        self.run_subtests(
+            {
+                "comm_cls": [None, _BatchingAllGather],
+                "reshard_after_forward": [True, False],
+            },
+            self._test_set_unshard_async_op_matches_grouped,
+        )
+
+    def _test_set_unshard_async_op_matches_grouped(
+        self, comm_cls, reshard_after_forward: bool
+    ):
+        models = _copies_of_two_block_model(
+            8, [False, True], reshard_after_forward=reshard_after_forward
+        )
+        for model in models:
+            model._set_unshard_async_op(True)
+        if comm_cls is not None:
+            for module in (*models[0], models[0]):
+                module.set_custom_all_gather(comm_cls())
+        _train_and_compare(self, models, 8)
 
 
 class TestFullyShardGroupCollectivesParity(_ParityTestCase):
@@ -639,36 +679,38 @@ class TestFullyShardGroupCollectivesParity(_ParityTestCase):
         )
         _train_and_compare(self, models, dim)
 
-    def test_all_gather_comm_without_parameter_output(self):
-        """Tests that a custom all-gather comm that does not set
-        ``accepts_parameter_output`` gets every output from its own
-        ``allocate`` (copied out after), in ``Shard(0)`` and ``Shard(1)``,
-        with bitwise the same training as the default comm."""
-        for placement in (Shard(0), Shard(1)):
-            with self.subTest(placement=placement):
-                comm = _AllocatingAllGather()
-                models = _copies_of_two_block_model(
-                    8,
-                    [False, False],
-                    shard_placement_fn=lambda p, s=placement: (
-                        s if p.ndim == 2 else None
-                    ),
-                )
-                for module in (*models[0], models[0]):
-                    module.set_custom_all_gather(comm)
-                _train_and_compare(self, models, 8)
-                self.assertTrue(comm.output_data_ptrs)
-                allocated = {t.data_ptr() for t in comm.allocated}
-                self.assertLessEqual(set(comm.output_data_ptrs), allocated)
+    def test_all_gather_comm_through_allocate(self):
+        """Tests that a custom all-gather comm that defines only ``allocate``
+        and ``__call__`` gets every output from its own ``allocate`` (the base
+        ``foreach`` copies out after), in ``Shard(0)`` and ``Shard(1)``, with
+        bitwise the same training as the default comm."""
+        self.run_subtests(
+            {"placement": [Shard(0), Shard(1)]},
+            self._test_all_gather_comm_through_allocate,
+        )
 
-    def test_comms_needing_own_tensors(self):
-        """Tests that an all-gather comm that ``needs_own_inputs`` gets each
-        cast parameter as its input instead of a slice of the output, and a
-        reduce-scatter comm that ``needs_own_outputs`` gets outputs that view
-        no buffer, with bitwise the same training as the default comms."""
-        self.run_subtests({"dim": [8, 7]}, self._test_comms_needing_own_tensors)
+    def _test_all_gather_comm_through_allocate(self, placement: Shard):
+        comm = _AllocatingAllGather()
+        models = _copies_of_two_block_model(
+            8,
+            [False, False],
+            shard_placement_fn=lambda p: placement if p.ndim == 2 else None,
+        )
+        for module in (*models[0], models[0]):
+            module.set_custom_all_gather(comm)
+        _train_and_compare(self, models, 8)
+        self.assertTrue(comm.output_data_ptrs)
+        allocated = {t.data_ptr() for t in comm.allocated}
+        self.assertLessEqual(set(comm.output_data_ptrs), allocated)
 
-    def _test_comms_needing_own_tensors(self, dim: int):
+    def test_foreach_gets_tensors_of_their_own(self):
+        """Tests that ``foreach`` gets each cast parameter as an all-gather
+        input apart from its output, and reduce-scatter outputs that view no
+        buffer (no all-reduce follows), with bitwise the same training as the
+        default comms: what a backend whose tensors are values (XLA) needs."""
+        self.run_subtests({"dim": [8, 7]}, self._test_foreach_gets_tensors_of_their_own)
+
+    def _test_foreach_gets_tensors_of_their_own(self, dim: int):
         all_gather, reduce_scatter = _OwnInputsAllGather(), _OwnOutputsReduceScatter()
         models = _copies_of_two_block_model(
             dim,
@@ -689,8 +731,6 @@ class TestFullyShardGroupCollectivesParity(_ParityTestCase):
 class _OwnInputsAllGather(DefaultAllGather):
     """Records whether each input is a bf16 tensor apart from its output."""
 
-    needs_own_inputs = True
-
     def __init__(self):
         self.own_inputs: list[bool] = []
 
@@ -705,8 +745,6 @@ class _OwnInputsAllGather(DefaultAllGather):
 
 class _OwnOutputsReduceScatter(DefaultReduceScatter):
     """Records whether each output is a tensor of its own, not a view."""
-
-    needs_own_outputs = True
 
     def __init__(self):
         self.own_outputs: list[bool] = []
@@ -888,7 +926,7 @@ def _set_group_collectives(model: nn.Module, group_collectives: bool) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             for group in _groups(module):
-                group.group_collectives = group_collectives
+                group._set_group_collectives(group_collectives)
 
 
 def _copies_of_two_block_model(
