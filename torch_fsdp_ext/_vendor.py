@@ -286,8 +286,7 @@ TEST_REWRITES: tuple[tuple[str, str], ...] = (
     (
         f"from {PACKAGE} import {TEST_UTILITY_CLASS}\n"
         f"from {TEST_UTILITY_SOURCE[:-3].replace('/', '.')} import (\n",
-        f"from {TEST_UTILITY_SOURCE[:-3].replace('/', '.')} import (\n"
-        f"    {TEST_UTILITY_CLASS},\n",
+        f"from {TEST_UTILITY_SOURCE[:-3].replace('/', '.')} import (\n    {TEST_UTILITY_CLASS},\n",
     ),
     # A test imports the test utility on a line of its own
     (

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from torch_fsdp_ext import FSDPBackend
-from torch_fsdp_ext._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch_fsdp_ext._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 
