@@ -382,6 +382,28 @@ def _init_unsharded_param(self) -> None:
         torch._functionalize_sync(param)
 
 
+_ORIGINAL_BACKWARD_PREFETCH = _fsdp_param_group.FSDPParamGroup._backward_prefetch
+
+
+def _backward_prefetch(self) -> None:
+    """``FSDPParamGroup._backward_prefetch``, which on ``xla`` prefetches
+    nothing (explicit ``set_modules_to_backward_prefetch`` still does).
+
+    A lazy step is one graph, whose collectives torch_xla chains through a
+    token in the order they were traced. The implicit prefetch traces the
+    next group's all-gather before this group's reduce-scatter, which lets
+    XLA's scheduler gather it before this group's backward runs: two groups'
+    unsharded parameters live at once, at the step's peak (the activations'
+    too). Without it, the next all-gather is chained after this group's
+    reduce-scatter, so after this group's backward, as torch_xla's own FSDP
+    orders it (with optimization barriers); the finalize step clears the
+    indices the prefetch would have popped.
+    """
+    if self.device.type == "xla":
+        return
+    _ORIGINAL_BACKWARD_PREFETCH(self)
+
+
 _ORIGINAL_INIT_SHARDED = (
     _fsdp_param.FSDPParam._init_sharded_param,
     _fsdp_param.FSDPParam.reset_sharded_param,
@@ -627,6 +649,7 @@ def _register(tuple_collectives: bool, bucket_cap_bytes: int | None) -> None:
     _fsdp_param.FSDPParam._init_sharded_param = _init_sharded_param
     _fsdp_param.FSDPParam.reset_sharded_param = _reset_sharded_param
     _fsdp_param.FSDPParam._sharded_param_data = _sharded_param_data
+    _fsdp_param_group.FSDPParamGroup._backward_prefetch = _backward_prefetch
     dispatcher = DTensor._op_dispatcher
     if not hasattr(dispatcher.dispatch, "__wrapped__"):
         dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)
