@@ -419,7 +419,7 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
     # torch_xla writes each device's graphs to the dump file + ".<ordinal>"
     dump = os.environ.get("XLA_SAVE_TENSORS_FILE")
     rank_dump = Path(f"{dump}.{xr.global_ordinal()}") if dump else None
-    bed.step_sync()
+    _drop_token_and_sync(bed)
     for step in range(args.steps):
         offset = rank_dump.stat().st_size if rank_dump and rank_dump.exists() else 0
         bed.barrier.wait()
@@ -440,7 +440,7 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings["clip"])
         optimizer.step()
         optimizer.zero_grad()
-        bed.step_sync()
+        _drop_token_and_sync(bed)
         bed.barrier.wait()
         if counting and rank == 0:
             elapsed, after = time.perf_counter() - start, _counters()
@@ -463,7 +463,7 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
     # unpad uneven shards with narrow(), which torch_xla's functionalization
     # rejects under funcol
     shards = {k: v.to_local().cpu() for k, v in model.state_dict().items()}
-    bed.step_sync()
+    _drop_token_and_sync(bed)
     return {"shards": shards, "initial": initial}
 
 
