@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -418,7 +419,7 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
     # torch_xla writes each device's graphs to the dump file + ".<ordinal>"
     dump = os.environ.get("XLA_SAVE_TENSORS_FILE")
     rank_dump = Path(f"{dump}.{xr.global_ordinal()}") if dump else None
-    bed.step_sync()
+    _drop_token_and_sync(bed)
     for step in range(args.steps):
         offset = rank_dump.stat().st_size if rank_dump and rank_dump.exists() else 0
         bed.barrier.wait()
@@ -439,7 +440,7 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings["clip"])
         optimizer.step()
         optimizer.zero_grad()
-        bed.step_sync()
+        _drop_token_and_sync(bed)
         bed.barrier.wait()
         if counting and rank == 0:
             elapsed, after = time.perf_counter() - start, _counters()
@@ -462,7 +463,7 @@ def _train_config(bed, args, config, group_collectives, rank, mesh, counting, re
     # unpad uneven shards with narrow(), which torch_xla's functionalization
     # rejects under funcol
     shards = {k: v.to_local().cpu() for k, v in model.state_dict().items()}
-    bed.step_sync()
+    _drop_token_and_sync(bed)
     return {"shards": shards, "initial": initial}
 
 
@@ -562,8 +563,13 @@ def bench(args: argparse.Namespace) -> None:
         ),
     }
     bf16 = args.precision == "bf16"
-    runs = ("floor", *MODES)
+    runs = ("floor", *MODES, "xla-fsdp")
     times: dict[str, list[float]] = {run: [] for run in runs}
+    # rank 0's split of each timed step: tracing it (Python: the model, FSDP's
+    # hooks, the optimizer, building the lazy graph) and the sync that runs
+    # it (the graph's execution, the collectives' rendezvous with the other
+    # rank, and the test bed's ordering barriers)
+    trace_times: dict[str, list[float]] = {run: [] for run in runs}
 
     def rank_fn(index: int) -> None:
         dist.init_process_group("xla", init_method="xla://")
@@ -577,6 +583,8 @@ def bench(args: argparse.Namespace) -> None:
             if run == "floor":
                 # bf16: the floor computes in bf16 as FSDP's modes do
                 model = model.to(torch.bfloat16 if bf16 else torch.float32)
+            elif run == "xla-fsdp":
+                model = _wrap_xla_fsdp(model, reshard=True, bf16=bf16)
             else:
                 mp_policy = torch_fsdp_ext.MixedPrecisionPolicy(
                     param_dtype=torch.bfloat16 if bf16 else None,
@@ -595,7 +603,7 @@ def bench(args: argparse.Namespace) -> None:
         for round_ in range(args.warmup + args.steps):
             for run, model in models.items():
                 for _ in range(args.bench_steps):
-                    bed.step_sync()
+                    _drop_token_and_sync(bed)
                     start = time.perf_counter()
                     x, y = batches(step, args.vocab, args.batch, args.seq, args.world_size)[rank]
                     logits = model(x.to(device))
@@ -605,9 +613,11 @@ def bench(args: argparse.Namespace) -> None:
                     loss.backward()
                     optimizers[run].step()
                     optimizers[run].zero_grad()
-                    bed.step_sync()
+                    traced = time.perf_counter()
+                    _drop_token_and_sync(bed)
                     if rank == 0 and round_ >= args.warmup:
                         times[run].append((time.perf_counter() - start) * 1e3)
+                        trace_times[run].append((traced - start) * 1e3)
                     step += 1
             if rank == 0:
                 log.info("round %d of %d", round_ + 1, args.warmup + args.steps)
@@ -622,6 +632,11 @@ def bench(args: argparse.Namespace) -> None:
                 "min_ms": round(min(t), 1),
                 "median_ms": round(statistics.median(t), 1),
                 "max_ms": round(max(t), 1),
+                "median_trace_ms": round(statistics.median(trace_times[run]), 1),
+                "median_sync_ms": round(
+                    statistics.median([a - b for a, b in zip(t, trace_times[run], strict=True)]),
+                    1,
+                ),
             }
             for run, t in times.items()
         },
@@ -629,10 +644,15 @@ def bench(args: argparse.Namespace) -> None:
     runs_report = report["runs"]
     floor = runs_report["floor"]["median_ms"]
     grouped = runs_report["grouped"]["median_ms"]
-    for mode in MODES:
+    for mode in (*MODES, "xla-fsdp"):
         runs_report[mode]["median_vs_grouped"] = round(runs_report[mode]["median_ms"] / grouped, 3)
         runs_report[mode]["overhead_ms"] = round(runs_report[mode]["median_ms"] - floor, 1)
-    for mode in MODES:
+    for mode in (*MODES, "xla-fsdp"):
+        for part in ("trace", "sync"):
+            runs_report[mode][f"{part}_overhead_ms"] = round(
+                runs_report[mode][f"median_{part}_ms"] - runs_report["floor"][f"median_{part}_ms"],
+                1,
+            )
         runs_report[mode]["overhead_vs_grouped"] = round(
             runs_report[mode]["overhead_ms"] / runs_report["grouped"]["overhead_ms"], 3
         )
@@ -648,6 +668,13 @@ def bench(args: argparse.Namespace) -> None:
 # arm -> what trains: no FSDP (the floor, each rank's batch on an unsharded
 # model), FSDP2's two modes, torch_xla's own FSDP (nested per block)
 MEMORY_ARMS = ("floor", "grouped", "per-param", "xla-fsdp")
+# where --memory --check requires per-param's in-step peak <= torch_xla's
+# FSDP's. Not bf16: torch_xla's tuple all-gather does not chain its inputs to
+# the collective token (its single-tensor one adds a token-derived scalar to
+# its input), so XLA's CSE merges the forward's and the backward's casts of a
+# shard to bf16 and keeps them live in between; XLA:CPU drops optimization
+# barriers before CSE, so a barrier cannot keep them apart here (docs/xla.md)
+PEAK_VS_XLA_FSDP_PRECISIONS = ("fp32",)
 
 
 def device_bytes(groups: dict[str, list]) -> dict[str, int]:
@@ -727,6 +754,25 @@ def _xla_fsdp_full_params(model) -> dict[str, tuple]:
     return out
 
 
+def _wrap_xla_fsdp(model, *, reshard: bool, bf16: bool):
+    """``model`` in torch_xla's XlaFullyShardedDataParallel, per block and at
+    the root, its defaults but for what the arms share and the test bed."""
+    import torch
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XlaFSDP
+
+    kwargs = {
+        "reshard_after_forward": reshard,
+        # pinned collectives lower to rank-dependent graphs, which this test
+        # bed cannot pair (docs/xla.md)
+        "pin_layout_in_collective_ops": False,
+        "compute_dtype": torch.bfloat16 if bf16 else torch.float32,
+        "fp32_reduce_scatter": bf16,
+    }
+    for i, block in enumerate(model.layers):
+        model.layers[i] = XlaFSDP(block, **kwargs)
+    return XlaFSDP(model, **kwargs)
+
+
 def memory_worker(args: argparse.Namespace) -> None:
     """One arm (``--memory-worker``): ``--steps`` SGD or AdamW steps on each
     rank thread; rank 0 reports device bytes after each step and every rank
@@ -768,19 +814,7 @@ def memory_worker(args: argparse.Namespace) -> None:
                     reshard_after_forward=reshard,
                 )
         elif arm == "xla-fsdp":
-            from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XlaFSDP
-
-            kwargs = {
-                "reshard_after_forward": reshard,
-                # pinned collectives lower to rank-dependent graphs, which
-                # this test bed cannot pair (docs/xla.md)
-                "pin_layout_in_collective_ops": False,
-                "compute_dtype": torch.bfloat16 if bf16 else torch.float32,
-                "fp32_reduce_scatter": bf16,
-            }
-            for i, block in enumerate(model.layers):
-                model.layers[i] = XlaFSDP(block, **kwargs)
-            model = XlaFSDP(model, **kwargs)
+            model = _wrap_xla_fsdp(model, reshard=reshard, bf16=bf16)
         optimizer = (
             torch.optim.AdamW(model.parameters(), lr=args.lr)
             if args.optimizer == "adamw"
@@ -953,8 +987,10 @@ def memory(args: argparse.Namespace) -> int:
     report["parameters"] = len(reference)
     params = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for arm in arms:
-            result = Path(tmp, f"{arm}.pt")
+
+        def run_arm(arm: str, reshard: str) -> tuple[dict, dict]:
+            name = f"{arm}-reshard-{reshard}"
+            result = Path(tmp, f"{name}.pt")
             env = dict(
                 os.environ,
                 PJRT_DEVICE="CPU",
@@ -965,14 +1001,32 @@ def memory(args: argparse.Namespace) -> int:
             cmd = [sys.executable, __file__, "--memory-worker", arm, "--result", str(result)]
             for option in (*_WORKER_OPTIONS, "precision", "optimizer", "world_size"):
                 cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
-            cmd += ["--reshard-after-forward", args.reshard_after_forward]
-            dump = Path(tmp, f"{arm}.dump")
+            cmd += ["--reshard-after-forward", reshard]
+            dump = Path(tmp, f"{name}.dump")
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-            log.info("memory: %s", arm)
-            subprocess.run(cmd, env=env, check=True)
+            log.info("memory: %s", name)
+            if subprocess.run(cmd, env=env).returncode == -signal.SIGABRT:
+                # XLA:CPU's rendezvous abort on a loaded machine, as in _run_worker
+                log.warning(
+                    "%s: XLA aborted the worker (a collective's rendezvous); once more", name
+                )
+                report.setdefault("retried", []).append(name)
+                shutil.rmtree(dump, ignore_errors=True)
+                subprocess.run(cmd, env=env, check=True)
             out = torch.load(result)
+            return out, _peaks(dump)
+
+        for arm in arms:
+            out, peaks = run_arm(arm, args.reshard_after_forward)
             params[arm] = _full_params(arm, out["params"])
-            report["arms"][arm] = {"device_bytes": out["steps"][-1], **_peaks(dump)}
+            report["arms"][arm] = {"device_bytes": out["steps"][-1], **peaks}
+            if arm in ("grouped", "per-param") and args.reshard_after_forward == "true":
+                # the same mode without resharding after forward: --check
+                # requires resharding to lower the peak
+                _, peaks = run_arm(arm, "false")
+                report["arms"][arm]["peak_bytes_reshard_after_forward_false"] = peaks[
+                    "peak_bytes_largest_graph"
+                ]
     for arm, full in params.items():
         if arm == "floor":
             continue
@@ -998,7 +1052,9 @@ def _memory_failures(report: dict) -> list[str]:
     """What ``--memory --check`` enforces: each FSDP2 mode keeps after a step
     at most torch_xla's FSDP's device bytes and at most 1.05x (sharded
     parameters + optimizer state + batch); per-param's in-step peak is at
-    most grouped's; every parameter moved; at ``PARITY_XLA_FLAGS`` the modes
+    most grouped's, and in ``PEAK_VS_XLA_FSDP_PRECISIONS`` at most torch_xla's
+    FSDP's; with ``reshard_after_forward=True`` each mode's peak is below
+    its peak with ``False``; every parameter moved; at ``PARITY_XLA_FLAGS`` the modes
     agree bit for bit."""
     arms, failures = report["arms"], []
     for mode in ("grouped", "per-param"):
@@ -1013,6 +1069,21 @@ def _memory_failures(report: dict) -> list[str]:
     for arm, entry in arms.items():
         if arm != "floor" and entry["moved"] != len(_initial_names(report)):
             failures.append(f"{arm}: {entry['moved']} parameters moved")
+    for mode in ("grouped", "per-param"):
+        peak_false = arms.get(mode, {}).get("peak_bytes_reshard_after_forward_false")
+        if peak_false is not None and arms[mode]["peak_bytes_largest_graph"] >= peak_false:
+            failures.append(
+                f"{mode}: in-step peak with reshard_after_forward=True "
+                f"({arms[mode]['peak_bytes_largest_graph']} B) not below False's ({peak_false} B)"
+            )
+    if (
+        "per-param" in arms
+        and "xla-fsdp" in arms
+        and report["precision"] in PEAK_VS_XLA_FSDP_PRECISIONS
+        and arms["per-param"]["peak_bytes_largest_graph"]
+        > arms["xla-fsdp"]["peak_bytes_largest_graph"]
+    ):
+        failures.append("per-param's in-step peak > torch_xla's FSDP's")
     if "grouped" in arms and "per-param" in arms:
         if (
             arms["per-param"]["peak_bytes_largest_graph"]

@@ -4,11 +4,12 @@
 # which writes the JSON report and fails unless, in every configuration, the
 # modes agree bit for bit and every parameter moved under torch.optim.AdamW,
 # and per-param needs no more collectives, host round trips or graphs per step;
-# then --memory --check (fp32 at W=2, bf16 at W=4): device bytes after a step.
+# then --memory --check (fp32 at W=2, bf16 at W=4): device bytes after a step
+# and the in-step peak (docs/xla.md, "Memory").
 set -euo pipefail
 usage="usage: bash tools/xla_check.sh OUT.json [tools/xla_check.py options]"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,6s/^# //p' "$0"
+  sed -n '2,8s/^# //p' "$0"
   echo "$usage"
   exit 0
 fi

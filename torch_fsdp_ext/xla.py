@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import threading
 import types
 from collections.abc import Iterable, Iterator
 
@@ -377,11 +378,35 @@ def _init_unsharded_param(self) -> None:
         torch._functionalize_sync(param)
 
 
+_ORIGINAL_BACKWARD_PREFETCH = _fsdp_param_group.FSDPParamGroup._backward_prefetch
+
+
+def _backward_prefetch(self) -> None:
+    """``FSDPParamGroup._backward_prefetch``, which on ``xla`` prefetches
+    nothing (explicit ``set_modules_to_backward_prefetch`` still does).
+
+    A lazy step is one graph, whose collectives torch_xla chains through a
+    token in the order they were traced. The implicit prefetch traces the
+    next group's all-gather before this group's reduce-scatter, which lets
+    XLA's scheduler gather it before this group's backward runs: two groups'
+    unsharded parameters live at once, at the step's peak (the activations'
+    too). Without it, the next all-gather is chained after this group's
+    reduce-scatter, so after this group's backward, as torch_xla's own FSDP
+    orders it (with optimization barriers); the finalize step clears the
+    indices the prefetch would have popped.
+    """
+    if self.device.type == "xla":
+        return
+    _ORIGINAL_BACKWARD_PREFETCH(self)
+
+
 _ORIGINAL_INIT_SHARDED = (
     _fsdp_param.FSDPParam._init_sharded_param,
     _fsdp_param.FSDPParam.reset_sharded_param,
 )
 _SHARDED_DATA = "_sharded_param_data"
+# marks a sharded parameter's local tensor that _own_shard made
+_OWN_SHARD = "_fsdp_ext_xla_own_shard"
 
 
 def _own_shard(fsdp_param) -> None:
@@ -405,8 +430,15 @@ def _own_shard(fsdp_param) -> None:
         or fsdp_param.offload_to_cpu
     ):
         return
-    if local._base is not None:
+    if not getattr(local, _OWN_SHARD, False):
+        # Not ``local._base``: ``nn.Parameter`` detaches FSDP's narrow of the
+        # padded shard, and a detached view has no ``_base`` but is still a
+        # view under functionalization: each optimizer step then wrote the
+        # padded shard through ``slice_scatter`` and read the parameter back
+        # with a ``slice``, which kept the previous step's shard alive as an
+        # input of the next step's graph (an unused one: the update covers it)
         local = local.detach().clone()
+        setattr(local, _OWN_SHARD, True)
         fsdp_param.sharded_param._local_tensor = local
     fsdp_param.__dict__.pop(_SHARDED_DATA, None)
 
@@ -542,6 +574,9 @@ def _install_clip_grad_norm() -> None:
 
 
 _registered = False
+# ranks run as threads in one process (torch_xla's PJRT CPU test bed) each
+# reach fully_shard's first registration
+_register_lock = threading.Lock()
 
 
 def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = None) -> None:
@@ -558,6 +593,11 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
     ``fully_shard`` calls made afterwards. Raises ``ImportError`` without
     torch_xla.
     """
+    with _register_lock:
+        _register(tuple_collectives, bucket_cap_bytes)
+
+
+def _register(tuple_collectives: bool, bucket_cap_bytes: int | None) -> None:
     global _registered
     backend = XLA_BACKEND
     if tuple_collectives and bucket_cap_bytes is not None:
@@ -605,6 +645,7 @@ def register(*, tuple_collectives: bool = True, bucket_cap_bytes: int | None = N
     _fsdp_param.FSDPParam._init_sharded_param = _init_sharded_param
     _fsdp_param.FSDPParam.reset_sharded_param = _reset_sharded_param
     _fsdp_param.FSDPParam._sharded_param_data = _sharded_param_data
+    _fsdp_param_group.FSDPParamGroup._backward_prefetch = _backward_prefetch
     dispatcher = DTensor._op_dispatcher
     if not hasattr(dispatcher.dispatch, "__wrapped__"):
         dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)

@@ -1,12 +1,19 @@
-"""torch_fsdp_ext.xla without torch_xla: the parts that are plain torch.
+"""torch_fsdp_ext.xla without torch_xla: the parts that are plain torch;
+with torch_xla installed (the torch 2.9.0 venv of ``tools/xla_check.sh``),
+also a short training run on its PJRT CPU device (:class:`TestFullyShardXLADevice`).
 
 The XLA lane itself (grouped vs per-param on PJRT CPU) is
 ``bash tools/xla_check.sh``, which CI runs; these tests hold on every base.
 """
 
+import importlib.util
 import inspect
+import json
+import os
+import subprocess
 import sys
 import types
+import unittest
 from unittest import mock
 
 import torch
@@ -199,6 +206,107 @@ class TestFullyShardXLARegistration(TestCase):
         SUM with FSDP's own divides (XLA has neither AVG nor PREMUL_SUM)."""
         self.assertIs(xla.XLA_BACKEND.group_collectives, False)
         self.assertIs(xla.XLA_BACKEND.force_sum_reduction_for_comms, True)
+
+
+# One rank on torch_xla's PJRT CPU device, in a process of its own (importing
+# torch_xla changes torch for the rest of the process): per-param FSDP, three
+# AdamW steps, once as the package frees and once never freeing; prints what
+# TestFullyShardXLADevice checks, as JSON
+_XLA_RUN = r"""
+import json
+import torch, torch.distributed as dist, torch_xla
+import torch_fsdp_ext
+from torch_fsdp_ext import xla as fsdp_xla
+
+def numel(t):
+    t = getattr(t, "_local_tensor", t)
+    return torch._from_functional_tensor(t).numel() if torch._is_functional_tensor(t) else t.numel()
+
+def train(free):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+    )
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(device)
+    modules = (model[0], model[2], model[3], model)
+    for module in modules:
+        torch_fsdp_ext.fully_shard(module, mesh=mesh, group_collectives=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs = torch.randn(3, 4, 8)
+    step_ir = ""
+    for step in range(3):
+        model(inputs[step].to(device)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2:
+            step_ir = torch_xla._XLAC._get_xla_tensors_text(
+                [torch._from_functional_tensor(p._local_tensor) for p in model.parameters()]
+            )
+        torch_xla.sync()
+    unsharded = []
+    for module in modules:
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            unsharded += [numel(t) for t in fsdp_param.all_gather_outputs]
+            unsharded.append(numel(fsdp_param._unsharded_param))
+    final = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    return {
+        "unsharded_numels": unsharded,
+        "params": {k: v.flatten().tolist() for k, v in final.items()},
+        "moved": sum(not torch.equal(final[k], initial[k]) for k in initial),
+        "parameters": len(initial),
+        "step_reads_a_stale_base": "xla::unselect" in step_ir,
+    }
+
+dist.init_process_group("xla", init_method="xla://")
+device = torch_xla.device()
+mesh = fsdp_xla.mesh_from_group()
+freed = train(True)
+free, fsdp_xla._xla_free = fsdp_xla._xla_free, lambda tensor: None  # never free
+kept = train(False)
+print(json.dumps({"freed": freed, "kept": kept}))
+"""
+
+
+@unittest.skipIf(importlib.util.find_spec("torch_xla") is None, "needs torch_xla")
+class TestFullyShardXLADevice(TestCase):
+    def _train(self) -> dict:
+        env = dict(
+            os.environ,
+            PJRT_DEVICE="CPU",
+            CPU_NUM_DEVICES="1",
+            XLA_USE_DUMMY_STORE="1",
+            TORCH_DIST_INIT_BARRIER="0",
+            # code generation that does not depend on the graph's other ops,
+            # as the lane's parity flags (docs/xla.md)
+            XLA_FLAGS="--xla_backend_optimization_level=0",
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", _XLA_RUN],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-4000:])
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    def test_steady_step_frees_unsharded_parameters(self):
+        """Tests that after a steady step on torch_xla's PJRT CPU device (one
+        rank, per-param) every all-gather output and unsharded parameter
+        holds a one-element placeholder, that the step read no stale padded
+        shard (a sharded parameter is a tensor of its own, not a functional
+        view of its padded shard), and that training matches a run that
+        never frees, bit for bit, with every parameter moved."""
+        result = self._train()
+        freed, kept = result["freed"], result["kept"]
+        self.assertTrue(freed["unsharded_numels"])
+        self.assertEqual(set(freed["unsharded_numels"]), {1})
+        self.assertNotIn(1, kept["unsharded_numels"])
+        self.assertFalse(freed["step_reads_a_stale_base"])
+        self.assertEqual(freed["moved"], freed["parameters"])
+        self.assertEqual(freed["params"], kept["params"])
 
 
 if __name__ == "__main__":
