@@ -25,6 +25,12 @@ first ``"xla"`` mesh. It registers:
 - functionalization kernels for FSDP's ops with mutable list outputs
   (``split_with_sizes_copy``, ``chunk_cat``), which grouped collectives use
   and torch_xla's eager functionalization rejects;
+- a chain from each tuple collective to the next, and from the gradient
+  that reaches a module to the all-gather its backward needs
+  (:func:`_chain_zero`): what torch_xla's token and its FSDP's
+  optimization barriers do for its own collectives, so that XLA neither
+  merges nor hoists a backward all-gather's inputs, which held every group's
+  bf16 shards from the forward on (docs/xla.md, "Memory");
 - freeing without storage resizing on ``"xla"``: FSDP frees an unsharded
   parameter by resizing its storage to 0, and an XLA tensor's storage cannot
   be resized, so the all-gather outputs and the unsharded parameters are
@@ -54,7 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _clip_grad
-from ._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
+from ._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group, _fsdp_state
 from ._fully_shard._fsdp_backend import FSDPBackend, register_fsdp_backend
 from ._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
@@ -66,14 +72,18 @@ __all__ = ["mesh_from_group", "register", "XlaAllGather", "XlaReduceScatter", "X
 def _buckets(
     outputs: list[torch.Tensor], inputs: list[torch.Tensor], cap_bytes: int | None
 ) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """Consecutive (outputs, inputs) runs whose inputs hold at most ``cap_bytes``
-    (one run if ``None``; a larger input gets a run of its own)."""
+    """Consecutive (outputs, inputs) runs of one input dtype whose inputs hold
+    at most ``cap_bytes`` (no cap if ``None``; a larger input gets a run of
+    its own). One dtype a run: torch_xla 2.9's list all-gather aborts the
+    process on mixed dtypes (docs/xla.md)."""
     if len(outputs) != len(inputs):
         raise ValueError(f"{len(outputs)} outputs for {len(inputs)} inputs")
     start, size = 0, 0
     for i, t in enumerate(inputs):
         nbytes = t.numel() * t.element_size()
-        if cap_bytes is not None and i > start and size + nbytes > cap_bytes:
+        if i > start and (
+            t.dtype != inputs[start].dtype or (cap_bytes is not None and size + nbytes > cap_bytes)
+        ):
             yield outputs[start:i], inputs[start:i]
             start, size = i, 0
         size += nbytes
@@ -115,6 +125,43 @@ def _tuple_unsupported(group: dist.ProcessGroup, comm: object) -> bool:
     return True
 
 
+# device -> a +0.0 (one element) that the last tuple collective on it
+# gathered or reduced: see _chain_zero
+_chain_zeros: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_read_from(tensor: torch.Tensor) -> torch.Tensor:
+    """+0.0 (fp32, one element) computed from ``tensor``'s first element, so
+    that XLA cannot fold it to a constant nor compute it before ``tensor``.
+    Finite and nonnegative before the product: exactly +0.0 where the element
+    is inf, NaN (AMP's skipped steps) or negative."""
+    first = tensor.detach().reshape(-1)[:1].float()
+    return torch.where(torch.isfinite(first), first.abs(), 0.0) * 0.0
+
+
+def _chain_zero(like: torch.Tensor) -> torch.Tensor:
+    """A +0.0 of ``like``'s dtype that the last tuple collective on its device
+    computed, to chain the next one to it.
+
+    torch_xla chains each collective to the one before it through a token
+    added to its input, but its list collectives chain only their first
+    input. XLA then computes the others (a shard, or its cast to
+    ``param_dtype``) as early as it likes: the backward's all-gather inputs
+    of every group lived from the forward on (merged with the forward's by
+    CSE where the expressions were the same), at the step's peak. Each tuple
+    collective here gathers or reduces this zero with its inputs, and the
+    all-gather's inputs are ``x - zero``: XLA cannot fold a collective's
+    result to a constant, ``x - (+0.0)`` is ``x`` bit for bit for every value
+    but NaN (``-0.0`` included; NaN stays NaN), and any reduction of
+    ``+0.0``s is ``+0.0``. :func:`_pre_backward` also chains it to the
+    gradient that reaches a module.
+    """
+    zero = _chain_zeros.get(like.device)
+    if zero is None:
+        return torch.zeros(1, dtype=like.dtype, device=like.device)
+    return zero.to(like.dtype)
+
+
 class XlaAllGather(DefaultAllGather):
     """All-gather comm for ``"xla"``: :meth:`foreach` gathers a parameter
     group's parameters with torch_xla's list all-gather, one tuple-shaped
@@ -137,8 +184,15 @@ class XlaAllGather(DefaultAllGather):
         import torch_xla.core.xla_model as xm
 
         for outputs, inputs in _buckets(output_tensors, input_tensors, self.bucket_cap_bytes):
+            zero = _chain_zero(inputs[0])
             # layout pinning is not supported for lists (torch_xla raises)
-            results = xm.all_gather(inputs, dim=0, groups=_replica_groups(group), pin_layout=False)
+            results = xm.all_gather(
+                [*(t - zero for t in inputs), zero],
+                dim=0,
+                groups=_replica_groups(group),
+                pin_layout=False,
+            )
+            _chain_zeros[zero.device] = results.pop()[:1]
             _copy_results(outputs, results)
         return None
 
@@ -164,16 +218,21 @@ class XlaReduceScatter(DefaultReduceScatter):
         # ProcessGroupXla's own mapping: it raises for ops XLA has not (AVG)
         reduce_type = group._get_reduce_type(op)  # type: ignore[attr-defined]
         groups = _replica_groups(group)
+        shard_count = len(groups[0]) if groups else group.size()
         for outputs, inputs in _buckets(output_tensors, input_tensors, self.bucket_cap_bytes):
+            # the chain's zero rides along (see _chain_zero); any reduction
+            # of +0.0s is +0.0
+            zero = _chain_zero(inputs[0])
             results = xm.reduce_scatter(
                 reduce_type,
-                [t.view(-1) for t in inputs],
+                [*(t.view(-1) for t in inputs), zero.expand(shard_count)],
                 scale=1.0,
                 scatter_dim=0,
-                shard_count=len(groups[0]) if groups else group.size(),
+                shard_count=shard_count,
                 groups=groups,
                 pin_layout=False,
             )
+            _chain_zeros[zero.device] = results.pop()
             _copy_results(outputs, results)
         return None
 
@@ -398,6 +457,31 @@ def _backward_prefetch(self) -> None:
     if self.device.type == "xla":
         return
     _ORIGINAL_BACKWARD_PREFETCH(self)
+
+
+_ORIGINAL_PRE_BACKWARD = _fsdp_state.FSDPState._pre_backward
+
+
+def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+    """``FSDPState._pre_backward``, which on ``xla`` first chains the next
+    collective (:func:`_chain_zero`) to the gradient that reached the module.
+
+    Backward's first collective of a group is its all-gather, whose inputs
+    are the group's shards: without this, XLA may gather them as soon as the
+    collective before it is done, while the backward of the modules after
+    this one still holds their own parameters and activations (the output
+    projection at the backward's start). torch_xla's own FSDP ties them with
+    an optimization barrier on the gradient and the shards, which XLA:CPU
+    removes; a data dependency holds on every XLA backend.
+    """
+    group = self._fsdp_param_group
+    gathers = (group is not None and not group.is_unsharded) or self._states_to_backward_prefetch
+    # only where an all-gather follows: the scalar reads the gradient's
+    # buffer, which would otherwise stay live until the next collective
+    if grad.device.type == "xla" and gathers:
+        zero = _zero_read_from(grad)
+        _chain_zeros[grad.device] = _chain_zero(zero) + zero
+    return _ORIGINAL_PRE_BACKWARD(self, grad)
 
 
 _ORIGINAL_INIT_SHARDED = (
@@ -646,6 +730,7 @@ def _register(tuple_collectives: bool, bucket_cap_bytes: int | None) -> None:
     _fsdp_param.FSDPParam.reset_sharded_param = _reset_sharded_param
     _fsdp_param.FSDPParam._sharded_param_data = _sharded_param_data
     _fsdp_param_group.FSDPParamGroup._backward_prefetch = _backward_prefetch
+    _fsdp_state.FSDPState._pre_backward = _pre_backward
     dispatcher = DTensor._op_dispatcher
     if not hasattr(dispatcher.dispatch, "__wrapped__"):
         dispatcher.dispatch = _commit_xla_inplace_updates(dispatcher.dispatch)

@@ -69,24 +69,53 @@ class _NotXlaGroup:
 class TestFullyShardXLATupleCollectives(TestCase):
     @settings(max_examples=100, deadline=None)
     @given(
-        numels=st.lists(st.integers(0, 64), max_size=8),
+        inputs=st.lists(
+            st.tuples(st.integers(0, 64), st.sampled_from([torch.float32, torch.bfloat16])),
+            max_size=8,
+        ),
         cap=st.one_of(st.none(), st.integers(1, 256)),
     )
-    def test_buckets_keep_order_and_cap(self, numels, cap):
-        """Tests that the tuple collectives' buckets are consecutive runs that
+    def test_buckets_keep_order_dtype_and_cap(self, inputs, cap):
+        """Tests that the tuple collectives' buckets are consecutive runs of
+        one dtype (torch_xla's list all-gather aborts on mixed dtypes) that
         keep every (output, input) pair in order, hold at most ``cap`` bytes
-        of inputs unless a run is one input, and are one run without a cap."""
-        inputs = [torch.empty(n) for n in numels]
-        outputs = [torch.empty(2 * n) for n in numels]
-        runs = list(xla._buckets(outputs, inputs, cap))
-        self.assertEqual([id(t) for _, ins in runs for t in ins], [id(t) for t in inputs])
-        self.assertEqual([id(t) for outs, _ in runs for t in outs], [id(t) for t in outputs])
-        for outs, ins in runs:
-            self.assertEqual(len(outs), len(ins))
-            if cap is not None and len(ins) > 1:
-                self.assertLessEqual(sum(4 * t.numel() for t in ins), cap)
+        of inputs unless a run is one input, and are one run per dtype change
+        without a cap."""
+        ins = [torch.empty(n, dtype=dtype) for n, dtype in inputs]
+        outs = [torch.empty(2 * n, dtype=dtype) for n, dtype in inputs]
+        runs = list(xla._buckets(outs, ins, cap))
+        self.assertEqual([id(t) for _, run in runs for t in run], [id(t) for t in ins])
+        self.assertEqual([id(t) for run, _ in runs for t in run], [id(t) for t in outs])
+        for run_outs, run_ins in runs:
+            self.assertEqual(len(run_outs), len(run_ins))
+            self.assertEqual(len({t.dtype for t in run_ins}), 1)
+            if cap is not None and len(run_ins) > 1:
+                self.assertLessEqual(sum(t.nbytes for t in run_ins), cap)
         if cap is None:
-            self.assertEqual(len(runs), 1 if numels else 0)
+            dtype_changes = sum(a[1] != b[1] for a, b in zip(inputs, inputs[1:]))
+            self.assertEqual(len(runs), dtype_changes + 1 if inputs else 0)
+
+    @settings(max_examples=200, deadline=None)
+    @given(
+        values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1),
+        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    )
+    def test_chain_zero_keeps_every_bit(self, values, dtype):
+        """Tests what chaining the tuple collectives relies on: the zero read
+        from any tensor (inf, NaN, negative, -0.0 first) is +0.0, and
+        subtracting it from an all-gather input keeps every value bit for bit
+        (-0.0, infinities and subnormals included; NaN stays NaN). ``x + 0.0``
+        would turn -0.0 into +0.0."""
+        x = torch.tensor(values).to(dtype)
+        zero = xla._zero_read_from(x)
+        self.assertEqual(zero.dtype, torch.float32)
+        self.assertEqual(zero.tolist(), [0.0])
+        self.assertFalse(torch.signbit(zero).item())
+        chained = x - zero.to(dtype)
+        nan = torch.isnan(x)
+        self.assertTrue(torch.equal(torch.isnan(chained), nan))
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        self.assertTrue(torch.equal(chained[~nan].view(bits), x[~nan].view(bits)))
 
     def test_buckets_need_one_output_per_input(self):
         """Tests that pairs that do not match up raise instead of dropping one."""
