@@ -35,9 +35,10 @@ first ``"xla"`` mesh. It registers:
   parameter by resizing its storage to 0, and an XLA tensor's storage cannot
   be resized, so the all-gather outputs and the unsharded parameters are
   pointed at a one-element placeholder and given values again by the next
-  all-gather; an unpadded sharded parameter is a tensor of its own, not a
+  all-gather; a sharded parameter is a tensor of its own, not a
   view of its padded shard (an XLA view holds a copy), so a rank keeps only
-  sharded state between steps (docs/xla.md, "Memory").
+  sharded state between steps, padded shards included (docs/xla.md,
+  "Memory").
 
 The mesh comes from :func:`mesh_from_group`, since ``init_device_mesh`` makes
 no process groups for ``"xla"``. docs/xla.md lists
@@ -494,25 +495,21 @@ _OWN_SHARD = "_fsdp_ext_xla_own_shard"
 
 
 def _own_shard(fsdp_param) -> None:
-    """On ``xla``, makes an unpadded sharded parameter's local tensor a
-    tensor of its own instead of a view of the padded shard.
+    """On ``xla``, makes a sharded parameter's local tensor a tensor of its
+    own instead of a view of its padded shard.
 
     An ``xla`` view holds a value of its own: FSDP's sharded parameter (a
     view of its padded shard) and the flat ``_sharded_param_data`` (another
     view, the all-gather's input) each kept a shard-sized buffer, and after
     the optimizer wrote the parameter the padded shard still held the old
-    value: a second copy of every shard between steps. Without padding the
-    shard is the whole padded shard, so the local tensor can be the storage
-    itself and the flat view is made where FSDP reads it
-    (:func:`_sharded_param_data`), dropped after the step's graph is built.
-    A padded shard keeps FSDP's views.
+    value: a second copy of every shard between steps. So the local tensor
+    is a tensor of its own, and the padded flat input is made where FSDP
+    reads it (:func:`_sharded_param_data`: a view of the local tensor, or,
+    for a shard that is shorter than the padded size on dim 0, the local
+    tensor padded with zeros), dropped after the step's graph is built.
     """
     local = fsdp_param.sharded_param._local_tensor
-    if (
-        local.device.type != "xla"
-        or local.size() != fsdp_param.padded_sharded_param_size
-        or fsdp_param.offload_to_cpu
-    ):
+    if local.device.type != "xla" or fsdp_param.offload_to_cpu:
         return
     if not getattr(local, _OWN_SHARD, False):
         # Not ``local._base``: ``nn.Parameter`` detaches FSDP's narrow of the
@@ -539,9 +536,15 @@ def _reset_sharded_param(self, *args, **kwargs):
 
 def _get_sharded_param_data(self) -> torch.Tensor:
     data = self.__dict__.get(_SHARDED_DATA)
-    if data is None:  # an own shard on xla: a fresh flat view of it
-        return self.sharded_param._local_tensor.view(-1)
-    return data
+    if data is not None:
+        return data
+    # an own shard on xla: a fresh flat view of it, padded on dim 0 (the only
+    # dim FSDP shards unevenly) to the padded size, as FSDP's padded shard is
+    local = self.sharded_param._local_tensor
+    padding = self.padded_sharded_param_size[0] - local.size(0)
+    if padding:
+        local = torch.nn.functional.pad(local, [0, 0] * (local.dim() - 1) + [0, padding])
+    return local.view(-1)
 
 
 def _set_sharded_param_data(self, value: torch.Tensor) -> None:
