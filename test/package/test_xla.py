@@ -8,6 +8,7 @@ The XLA lane itself (grouped vs per-param on PJRT CPU) is
 
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import subprocess
@@ -92,7 +93,7 @@ class TestFullyShardXLATupleCollectives(TestCase):
             if cap is not None and len(run_ins) > 1:
                 self.assertLessEqual(sum(t.nbytes for t in run_ins), cap)
         if cap is None:
-            dtype_changes = sum(a[1] != b[1] for a, b in zip(inputs, inputs[1:]))
+            dtype_changes = sum(a[1] != b[1] for a, b in itertools.pairwise(inputs))
             self.assertEqual(len(runs), dtype_changes + 1 if inputs else 0)
 
     @settings(max_examples=200, deadline=None)
