@@ -37,8 +37,8 @@ first ``"xla"`` mesh. It registers:
   pointed at a one-element placeholder and given values again by the next
   all-gather; a sharded parameter is a tensor of its own, not a
   view of its padded shard (an XLA view holds a copy), so a rank keeps only
-  sharded state between steps, padded shards included (docs/xla.md,
-  "Memory").
+  sharded state between steps, padded shards included (not with CPU
+  offload, whose shards stay FSDP's; docs/xla.md, "Memory").
 
 The mesh comes from :func:`mesh_from_group`, since ``init_device_mesh`` makes
 no process groups for ``"xla"``. docs/xla.md lists
@@ -135,7 +135,10 @@ def _zero_read_from(tensor: torch.Tensor) -> torch.Tensor:
     """+0.0 (fp32, one element) computed from ``tensor``'s first element, so
     that XLA cannot fold it to a constant nor compute it before ``tensor``.
     Finite and nonnegative before the product: exactly +0.0 where the element
-    is inf, NaN (AMP's skipped steps) or negative."""
+    is inf, NaN (AMP's skipped steps) or negative; a constant for an empty
+    ``tensor``."""
+    if tensor.numel() == 0:  # nothing to read (an expert with no tokens)
+        return torch.zeros(1, device=tensor.device)
     first = tensor.detach().reshape(-1)[:1].float()
     return torch.where(torch.isfinite(first), first.abs(), 0.0) * 0.0
 
@@ -145,22 +148,35 @@ def _chain_zero(like: torch.Tensor) -> torch.Tensor:
     computed, to chain the next one to it.
 
     torch_xla chains each collective to the one before it through a token
-    added to its input, but its list collectives chain only their first
-    input. XLA then computes the others (a shard, or its cast to
+    added to its input, but its list collectives add it to their first input
+    only. XLA then computes the others (a shard, or its cast to
     ``param_dtype``) as early as it likes: the backward's all-gather inputs
     of every group lived from the forward on (merged with the forward's by
     CSE where the expressions were the same), at the step's peak. Each tuple
-    collective here gathers or reduces this zero with its inputs, and the
-    all-gather's inputs are ``x - zero``: XLA cannot fold a collective's
-    result to a constant, ``x - (+0.0)`` is ``x`` bit for bit for every value
-    but NaN (``-0.0`` included; NaN stays NaN), and any reduction of
-    ``+0.0``s is ``+0.0``. :func:`_pre_backward` also chains it to the
-    gradient that reaches a module.
+    all-gather here carries this zero as its first input (where torch_xla
+    adds its token, so no shard is touched by it) and each reduce-scatter as
+    its last (first, it moved XLA:CPU's schedule to a 3% higher fp32 peak;
+    torch_xla's token then lands on the first gradient, as it lands on every
+    element of its single-tensor reduce-scatter), and each all-gather input
+    is ``x - zero`` (:func:`_chained`). XLA cannot fold a collective's
+    result to a constant, and the next zero is read from this one's result
+    through :func:`_zero_read_from`, so it is +0.0 even if torch_xla's token
+    is not. :func:`_pre_backward` also chains it to the gradient that
+    reaches a module.
     """
     zero = _chain_zeros.get(like.device)
     if zero is None:
         return torch.zeros(1, dtype=like.dtype, device=like.device)
     return zero.to(like.dtype)
+
+
+def _chained(t: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    # x - (+0.0) is x bit for bit under IEEE arithmetic for every value but
+    # NaN, which stays NaN (-0.0 included: x + 0.0 would make it +0.0); a
+    # backend that flushes subnormals flushes them here as in its compute.
+    # Not for other dtypes (bool, float8 have no such subtraction): those
+    # inputs are ordered by the zero beside them, not held back by it
+    return t - zero if t.is_floating_point() and t.element_size() > 1 else t
 
 
 class XlaAllGather(DefaultAllGather):
@@ -188,12 +204,12 @@ class XlaAllGather(DefaultAllGather):
             zero = _chain_zero(inputs[0])
             # layout pinning is not supported for lists (torch_xla raises)
             results = xm.all_gather(
-                [*(t - zero for t in inputs), zero],
+                [zero, *(_chained(t, zero) for t in inputs)],
                 dim=0,
                 groups=_replica_groups(group),
                 pin_layout=False,
             )
-            _chain_zeros[zero.device] = results.pop()[:1]
+            _chain_zeros[zero.device] = _zero_read_from(results.pop(0))
             _copy_results(outputs, results)
         return None
 
@@ -221,8 +237,7 @@ class XlaReduceScatter(DefaultReduceScatter):
         groups = _replica_groups(group)
         shard_count = len(groups[0]) if groups else group.size()
         for outputs, inputs in _buckets(output_tensors, input_tensors, self.bucket_cap_bytes):
-            # the chain's zero rides along (see _chain_zero); any reduction
-            # of +0.0s is +0.0
+            # the chain's zero rides along last (see _chain_zero)
             zero = _chain_zero(inputs[0])
             results = xm.reduce_scatter(
                 reduce_type,
@@ -233,7 +248,7 @@ class XlaReduceScatter(DefaultReduceScatter):
                 groups=groups,
                 pin_layout=False,
             )
-            _chain_zeros[zero.device] = results.pop()
+            _chain_zeros[zero.device] = _zero_read_from(results.pop())
             _copy_results(outputs, results)
         return None
 
@@ -463,9 +478,29 @@ def _backward_prefetch(self) -> None:
 _ORIGINAL_PRE_BACKWARD = _fsdp_state.FSDPState._pre_backward
 
 
+def _param_groups(state) -> list:
+    # torch 2.15 keeps a list (per-parameter meshes); earlier bases one group
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+    return groups
+
+
+def _gathers_through_the_chain(group) -> bool:
+    comm = group._all_gather_comm
+    return (
+        not group.group_collectives
+        and not group.is_unsharded
+        and isinstance(comm, XlaAllGather)
+        and comm.tuple_collectives
+    )
+
+
 def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
     """``FSDPState._pre_backward``, which on ``xla`` first chains the next
-    collective (:func:`_chain_zero`) to the gradient that reached the module.
+    collective (:func:`_chain_zero`) to the gradient that reached the module,
+    where one of its groups (or one it prefetches) will all-gather through
+    the tuple comms.
 
     Backward's first collective of a group is its all-gather, whose inputs
     are the group's shards: without this, XLA may gather them as soon as the
@@ -473,14 +508,16 @@ def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
     this one still holds their own parameters and activations (the output
     projection at the backward's start). torch_xla's own FSDP ties them with
     an optimization barrier on the gradient and the shards, which XLA:CPU
-    removes; a data dependency holds on every XLA backend.
+    removes; a data dependency holds on every XLA backend. Where no
+    all-gather follows, the gradient's buffer would only stay live until the
+    next collective.
     """
-    group = self._fsdp_param_group
-    gathers = (group is not None and not group.is_unsharded) or self._states_to_backward_prefetch
-    # only where an all-gather follows: the scalar reads the gradient's
-    # buffer, which would otherwise stay live until the next collective
-    if grad.device.type == "xla" and gathers:
-        zero = _zero_read_from(grad)
+    if grad.device.type == "xla" and any(
+        _gathers_through_the_chain(group)
+        for state in (self, *self._states_to_backward_prefetch)
+        for group in _param_groups(state)
+    ):
+        zero = _zero_read_from(_local(grad))
         _chain_zeros[grad.device] = _chain_zero(zero) + zero
     return _ORIGINAL_PRE_BACKWARD(self, grad)
 

@@ -98,7 +98,7 @@ class TestFullyShardXLATupleCollectives(TestCase):
 
     @settings(max_examples=200, deadline=None)
     @given(
-        values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1),
+        values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32)),
         dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     )
     def test_chain_zero_keeps_every_bit(self, values, dtype):
@@ -106,17 +106,47 @@ class TestFullyShardXLATupleCollectives(TestCase):
         from any tensor (inf, NaN, negative, -0.0 first) is +0.0, and
         subtracting it from an all-gather input keeps every value bit for bit
         (-0.0, infinities and subnormals included; NaN stays NaN). ``x + 0.0``
-        would turn -0.0 into +0.0."""
-        x = torch.tensor(values).to(dtype)
+        would turn -0.0 into +0.0. An empty tensor (an expert with no tokens)
+        gives a zero too."""
+        x = torch.tensor(values, dtype=torch.float32).to(dtype)
         zero = xla._zero_read_from(x)
         self.assertEqual(zero.dtype, torch.float32)
         self.assertEqual(zero.tolist(), [0.0])
         self.assertFalse(torch.signbit(zero).item())
-        chained = x - zero.to(dtype)
+        chained = xla._chained(x, zero.to(dtype))
         nan = torch.isnan(x)
         self.assertTrue(torch.equal(torch.isnan(chained), nan))
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         self.assertTrue(torch.equal(chained[~nan].view(bits), x[~nan].view(bits)))
+
+    def test_chain_leaves_dtypes_without_subtraction_alone(self):
+        """Tests that inputs the chain cannot subtract from (bool, float8)
+        pass through as they are."""
+        for t in (torch.ones(3, dtype=torch.bool), torch.ones(3).to(torch.float8_e4m3fn)):
+            self.assertIs(xla._chained(t, torch.zeros(1, dtype=t.dtype)), t)
+
+    def test_padded_own_shard_reads_as_fsdps_padded_shard(self):
+        """Tests that an own shard shorter than the padded size on dim 0 (the
+        last ranks' shards of an uneven dim 0) reads as the flat padded shard
+        FSDP would have kept: the shard, then zeros."""
+        for local_size, padded_size in (
+            ((3, 5), (4, 5)),
+            ((0, 5), (4, 5)),
+            ((4, 5), (4, 5)),
+            ((2,), (3,)),
+            ((0,), (3,)),
+            ((1, 2, 3), (2, 2, 3)),
+        ):
+            with self.subTest(local_size=local_size, padded_size=padded_size):
+                local = torch.randn(local_size)
+                fsdp_param = types.SimpleNamespace(
+                    sharded_param=types.SimpleNamespace(_local_tensor=local),
+                    padded_sharded_param_size=torch.Size(padded_size),
+                )
+                expected = local.new_zeros(padded_size)
+                expected.narrow(0, 0, local_size[0]).copy_(local)
+                data = xla._get_sharded_param_data(fsdp_param)
+                self.assertTrue(torch.equal(data, expected.view(-1)))
 
     def test_buckets_need_one_output_per_input(self):
         """Tests that pairs that do not match up raise instead of dropping one."""
