@@ -383,9 +383,13 @@ def _replace_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
     import torch_xla
 
     # not a write autograd must see: FSDP's unsharded parameters are saved
-    # for backward, and it gives them their data again before backward reads it
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
+    # for backward, and it gives them their data again before backward reads
+    # it (torch.autograd._unsafe_preserve_version_counter's two calls, without
+    # its context manager: this runs three times per parameter per reshard)
+    version = tensor._version
+    with torch.no_grad():
         torch_xla._XLAC._replace_xla_tensor(tensor, data)
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
 def _xla_free(tensor: torch.Tensor) -> None:
@@ -620,21 +624,28 @@ def _commit_xla_inplace_updates(dispatch):
     all-gathers read, so ``torch.optim``'s steps were lost (docs/xla.md).
     """
 
+    # op -> (position, name) of each argument its schema writes: read once
+    # per op, not on each of the optimizer's hundreds of dispatches a step
+    written: dict[torch._ops.OpOverload, tuple[tuple[int, str], ...]] = {}
+
     def dispatch_and_commit(op_call, args, kwargs):
         result = dispatch(op_call, args, kwargs)
-        schema = op_call._schema
-        if schema.is_mutable:
-            for i, arg in enumerate(schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if (
-                        isinstance(t, DTensor)
-                        and t.device.type == "xla"
-                        and torch._is_functional_tensor(t._local_tensor)
-                    ):
-                        torch._functionalize_commit_update(t._local_tensor)
+        targets = written.get(op_call)
+        if targets is None:
+            targets = written[op_call] = tuple(
+                (i, arg.name)
+                for i, arg in enumerate(op_call._schema.arguments)
+                if arg.alias_info is not None and arg.alias_info.is_write
+            )
+        for i, name in targets:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if (
+                    isinstance(t, DTensor)
+                    and t.device.type == "xla"
+                    and torch._is_functional_tensor(t._local_tensor)
+                ):
+                    torch._functionalize_commit_update(t._local_tensor)
         return result
 
     dispatch_and_commit.__wrapped__ = dispatch  # type: ignore[attr-defined]
