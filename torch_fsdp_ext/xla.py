@@ -134,13 +134,18 @@ _chain_zeros: dict[torch.device, torch.Tensor] = {}
 def _zero_read_from(tensor: torch.Tensor) -> torch.Tensor:
     """+0.0 (fp32, one element) computed from ``tensor``'s first element, so
     that XLA cannot fold it to a constant nor compute it before ``tensor``.
-    Finite and nonnegative before the product: exactly +0.0 where the element
-    is inf, NaN (AMP's skipped steps) or negative; a constant for an empty
-    ``tensor``."""
+
+    The element converted to an integer and clamped to [0, 0]: 0 whatever
+    the element is (inf, NaN in AMP's skipped steps, -0.0), which XLA does
+    not fold (it folds ``i - i`` and ``i & 0``), with no ``select`` (a
+    ``where`` on the float was copied by XLA into every input the zero
+    reaches: 95 more ``select`` ops a step). A constant for an empty
+    ``tensor``.
+    """
     if tensor.numel() == 0:  # nothing to read (an expert with no tokens)
         return torch.zeros(1, device=tensor.device)
-    first = tensor.detach().reshape(-1)[:1].float()
-    return torch.where(torch.isfinite(first), first.abs(), 0.0) * 0.0
+    first = tensor.detach().reshape(-1)[:1].to(torch.int32)
+    return first.clamp(0, 0).float()
 
 
 def _chain_zero(like: torch.Tensor) -> torch.Tensor:
@@ -153,16 +158,13 @@ def _chain_zero(like: torch.Tensor) -> torch.Tensor:
     ``param_dtype``) as early as it likes: the backward's all-gather inputs
     of every group lived from the forward on (merged with the forward's by
     CSE where the expressions were the same), at the step's peak. Each tuple
-    all-gather here carries this zero as its first input (where torch_xla
-    adds its token, so no shard is touched by it) and each reduce-scatter as
-    its last (first, it moved XLA:CPU's schedule to a 3% higher fp32 peak;
-    torch_xla's token then lands on the first gradient, as it lands on every
-    element of its single-tensor reduce-scatter), and each all-gather input
-    is ``x - zero`` (:func:`_chained`). XLA cannot fold a collective's
-    result to a constant, and the next zero is read from this one's result
-    through :func:`_zero_read_from`, so it is +0.0 even if torch_xla's token
-    is not. :func:`_pre_backward` also chains it to the gradient that
-    reaches a module.
+    collective here carries this zero as its last input, and each all-gather
+    input is ``x - zero`` (:func:`_chained`). XLA cannot fold a collective's
+    result to a constant, and a gather or reduction of +0.0s is +0.0: the
+    next zero is that result. Not the first input: torch_xla adds its token
+    there, and a token made NaN by an earlier collective's result would then
+    stay in the chain from step to step. :func:`_pre_backward` also chains
+    it to the gradient that reaches a module.
     """
     zero = _chain_zeros.get(like.device)
     if zero is None:
@@ -204,12 +206,12 @@ class XlaAllGather(DefaultAllGather):
             zero = _chain_zero(inputs[0])
             # layout pinning is not supported for lists (torch_xla raises)
             results = xm.all_gather(
-                [zero, *(_chained(t, zero) for t in inputs)],
+                [*(_chained(t, zero) for t in inputs), zero],
                 dim=0,
                 groups=_replica_groups(group),
                 pin_layout=False,
             )
-            _chain_zeros[zero.device] = _zero_read_from(results.pop(0))
+            _chain_zeros[zero.device] = results.pop()[:1]
             _copy_results(outputs, results)
         return None
 
@@ -248,7 +250,7 @@ class XlaReduceScatter(DefaultReduceScatter):
                 groups=groups,
                 pin_layout=False,
             )
-            _chain_zeros[zero.device] = _zero_read_from(results.pop())
+            _chain_zeros[zero.device] = results.pop()
             _copy_results(outputs, results)
         return None
 
